@@ -1,0 +1,31 @@
+"""keras_mp: complete mixed precision and customizable optimizers for Keras 3.
+
+The public API of RFC 293 (Keras Mixed Precision API) and RFC 234 (Easily
+Customizable Optimizer.minimize) on every Keras 3 backend.
+"""
+
+from keras_mp import losses
+from keras_mp.autocast import AutoCastVariable
+from keras_mp.autocast import enable_autocast
+from keras_mp.loss_scale import DynamicLossScale
+from keras_mp.loss_scale import FixedLossScale
+from keras_mp.loss_scale import LossScale
+from keras_mp.policy import Policy
+from keras_mp.policy import global_policy
+from keras_mp.policy import policy_scope
+from keras_mp.policy import set_global_policy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutoCastVariable",
+    "DynamicLossScale",
+    "FixedLossScale",
+    "LossScale",
+    "Policy",
+    "enable_autocast",
+    "global_policy",
+    "losses",
+    "policy_scope",
+    "set_global_policy",
+]

@@ -1,0 +1,125 @@
+"""Autocasting variables: float32 storage, compute-dtype reads inside `call`.
+
+Keras 3 already casts a layer's float variables to the compute dtype while
+the layer runs (its `AutocastScope`). keras_mp makes that visible, as tf.keras
+did: every float weight that a layer with a casting policy creates through
+`add_weight` is an `AutoCastVariable` with a `true_dtype`.
+"""
+
+import contextlib
+import functools
+
+import keras
+
+from keras_mp import _keras_internals
+
+
+class _AutoCastVariableMeta(type):
+    def __instancecheck__(cls, instance):
+        return isinstance(instance, keras.Variable) and getattr(
+            instance, "_keras_mp_autocast", False
+        )
+
+
+class AutoCastVariable(metaclass=_AutoCastVariableMeta):
+    """A float variable that reads as the compute dtype inside a layer's call.
+
+    Not constructed directly: a layer whose policy computes in a lower
+    precision than it stores (`"mixed_float16"`, `"mixed_bfloat16"`) makes
+    each float weight it creates with `add_weight` an `AutoCastVariable`,
+    unless `add_weight(..., autocast=False)`. Inside that layer's `call`,
+    `dtype` is the compute dtype and reads give compute-dtype tensors;
+    elsewhere it behaves as the stored variable. `true_dtype` is always the
+    stored dtype, and assignments keep it. The checkpoint format is a plain
+    variable's, so float32 weights load into a mixed model and back.
+
+    Example:
+
+    >>> layer = keras.layers.Dense(2, dtype="mixed_float16")
+    >>> layer.build((None, 3))
+    >>> isinstance(layer.kernel, keras_mp.AutoCastVariable)
+    True
+    >>> layer.kernel.true_dtype, layer.kernel.dtype
+    ('float32', 'float32')
+    >>> with keras_mp.enable_autocast("float16"):
+    ...     layer.kernel.dtype
+    'float16'
+    """
+
+    def __new__(cls, *args, **kwargs):
+        raise TypeError(
+            "keras_mp.AutoCastVariable is not created directly. Create the "
+            "weight with `layer.add_weight(...)` in a layer whose dtype policy "
+            "is mixed (e.g. dtype='mixed_float16')."
+        )
+
+
+def _policy_casts(layer):
+    policy = layer.dtype_policy
+    return policy.compute_dtype != policy.variable_dtype
+
+
+def _mark(variable):
+    dtype = keras.backend.standardize_dtype(
+        _keras_internals.stored_dtype(variable)
+    )
+    if keras.backend.is_float_dtype(dtype):
+        variable.true_dtype = dtype
+        variable._keras_mp_autocast = True
+
+
+def _install_add_weight_hook():
+    original = keras.layers.Layer.add_weight
+    if getattr(original, "_keras_mp_hook", False):
+        return
+
+    @functools.wraps(original)
+    def add_weight(self, *args, **kwargs):
+        variable = original(self, *args, **kwargs)
+        if _keras_internals.variable_autocasts(variable) and _policy_casts(
+            self
+        ):
+            _mark(variable)
+        return variable
+
+    add_weight._keras_mp_hook = True
+    keras.layers.Layer.add_weight = add_weight
+
+
+_install_add_weight_hook()
+
+
+@contextlib.contextmanager
+def enable_autocast(dtype):
+    """Context manager that reads autocasting variables as `dtype`.
+
+    Layers open this scope themselves around `call`; use it in custom code
+    that reads a layer's weights outside `call` and wants the compute dtype.
+
+    Args:
+        dtype: A float dtype name such as `"float16"`, or None to read
+            variables in their stored dtype.
+
+    Example:
+
+    >>> v = keras.Variable(1.5, dtype="float32")
+    >>> with keras_mp.enable_autocast("bfloat16"):
+    ...     keras.backend.standardize_dtype(v.value.dtype)
+    'bfloat16'
+    """
+    if dtype is not None:
+        try:
+            dtype = keras.backend.standardize_dtype(dtype)
+        except ValueError:
+            dtype = None if dtype is None else repr(dtype)
+            raise ValueError(
+                "`dtype` must be a float dtype name such as 'float16', or "
+                f"None. Received: dtype={dtype}"
+            ) from None
+        if not keras.backend.is_float_dtype(dtype):
+            raise ValueError(
+                "`dtype` must be a float dtype name such as 'float16', or "
+                f"None. Received: dtype={dtype!r}"
+            )
+    with _keras_internals.AutocastScope(dtype):
+        yield

@@ -1,0 +1,1 @@
+"""Backend-specific code: only what `keras.ops` cannot express."""

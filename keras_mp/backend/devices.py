@@ -1,0 +1,181 @@
+"""What the accelerator can do, asked of the active Keras backend."""
+
+import platform
+import warnings
+
+import keras
+
+_checked_policies = set()
+
+
+def _cpu_details():
+    name = platform.processor() or platform.machine() or "CPU"
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key = line.split(":", 1)[0].strip()
+                if key == "model name":
+                    name = line.split(":", 1)[1].strip()
+                elif key in ("flags", "Features"):
+                    flags.update(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    native = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    return {
+        "kind": "cpu",
+        "name": name,
+        "compute_capability": None,
+        "native_bfloat16": native,
+    }
+
+
+def _gpu_details(name, compute_capability):
+    return {
+        "kind": "gpu",
+        "name": name,
+        "compute_capability": compute_capability,
+        # Tensor cores handle bfloat16 from Ampere (compute capability 8.0).
+        "native_bfloat16": compute_capability is not None
+        and compute_capability >= (8, 0),
+    }
+
+
+def _parse_capability(value):
+    if value is None:
+        return None
+    if isinstance(value, str):
+        major, _, minor = value.partition(".")
+        return (int(major), int(minor or 0))
+    return tuple(int(v) for v in value)
+
+
+def _tensorflow_accelerators():
+    import tensorflow as tf
+
+    details = []
+    for device in tf.config.list_physical_devices("GPU"):
+        info = tf.config.experimental.get_device_details(device)
+        details.append(
+            _gpu_details(
+                info.get("device_name", device.name),
+                _parse_capability(info.get("compute_capability")),
+            )
+        )
+    for device in tf.config.list_logical_devices("TPU"):
+        details.append(_tpu_details(device.name))
+    return details
+
+
+def _tpu_details(name):
+    return {
+        "kind": "tpu",
+        "name": name,
+        "compute_capability": None,
+        "native_bfloat16": True,
+    }
+
+
+def _jax_accelerators():
+    import jax
+
+    details = []
+    for device in jax.devices():
+        if device.platform in ("gpu", "cuda", "rocm"):
+            details.append(
+                _gpu_details(
+                    device.device_kind,
+                    _parse_capability(
+                        getattr(device, "compute_capability", None)
+                    ),
+                )
+            )
+        elif device.platform == "tpu":
+            details.append(_tpu_details(device.device_kind))
+    return details
+
+
+def _torch_accelerators():
+    import torch
+
+    return [
+        _gpu_details(
+            torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i)
+        )
+        for i in range(torch.cuda.device_count())
+    ]
+
+
+def device_details():
+    """Describes the devices the active backend computes on.
+
+    Returns:
+        A list of dicts with keys `kind` (`"gpu"`, `"tpu"` or `"cpu"`),
+        `name`, `compute_capability` (a `(major, minor)` tuple for GPUs) and
+        `native_bfloat16`. The CPU is listed only when there is no
+        accelerator.
+    """
+    backend = keras.backend.backend()
+    lookups = {
+        "tensorflow": _tensorflow_accelerators,
+        "jax": _jax_accelerators,
+        "torch": _torch_accelerators,
+    }
+    details = lookups[backend]() if backend in lookups else []
+    return details or [_cpu_details()]
+
+
+def _describe(details):
+    return ", ".join(f"{d['kind'].upper()} {d['name']!r}" for d in details)
+
+
+def compatibility_warning(policy_name, details):
+    """The warning text for a mixed policy on these devices, or None.
+
+    Args:
+        policy_name: `"mixed_float16"` or `"mixed_bfloat16"`.
+        details: A list as `device_details()` returns it.
+    """
+    found = _describe(details)
+    if policy_name == "mixed_float16":
+        gpus = [d for d in details if d["kind"] == "gpu"]
+        if gpus and all(
+            d["compute_capability"] is not None
+            and d["compute_capability"] >= (7, 0)
+            for d in gpus
+        ):
+            return None
+        better = (
+            "'mixed_bfloat16'"
+            if all(d["native_bfloat16"] for d in details)
+            else "'float32'"
+        )
+        return (
+            "Mixed precision compatibility check (mixed_float16): float16 "
+            "runs fast only on NVIDIA GPUs of compute capability 7.0 or "
+            f"higher, and this process has {found}. It may run slower than "
+            f"float32 here; {better} is the better choice on these devices. "
+            "Call keras_mp.recommend_policy() to measure."
+        )
+    if policy_name == "mixed_bfloat16":
+        if all(d["native_bfloat16"] for d in details):
+            return None
+        return (
+            "Mixed precision compatibility check (mixed_bfloat16): the "
+            f"devices of this process ({found}) have no native bfloat16 "
+            "support, so bfloat16 is emulated and may run slower than "
+            "float32; 'float32' is the better choice here (or "
+            "'mixed_float16' on an NVIDIA GPU of compute capability 7.0 or "
+            "higher). Call keras_mp.recommend_policy() to measure."
+        )
+    return None
+
+
+def check_hardware_once(policy_name):
+    """Warns once per process and policy if the devices suit it poorly."""
+    if policy_name in _checked_policies:
+        return
+    _checked_policies.add(policy_name)
+    message = compatibility_warning(policy_name, device_details())
+    if message is not None:
+        warnings.warn(message, UserWarning, stacklevel=3)

@@ -1,0 +1,338 @@
+"""Loss scales: how much to multiply the loss by before taking gradients."""
+
+import math
+import numbers
+
+import keras
+from keras import ops
+
+
+class LossScale:
+    """Base class of loss scales.
+
+    A loss scale is a value to multiply the loss by before computing
+    gradients, so that small float16 gradients do not flush to zero, and to
+    divide the gradients by afterwards. `update(is_finite)` is called once per
+    step with whether the aggregated gradients were all finite; it updates the
+    scale's state and answers whether the step's gradients should be applied.
+
+    State lives in Keras variables created by `build()`, which an optimizer
+    calls inside its own `build` (so the variables belong to the optimizer's
+    distribution strategy and travel through JAX stateless steps).
+    """
+
+    def __init__(self):
+        self._variables = []
+        self.built = False
+
+    def build(self):
+        """Creates the state variables. Safe to call more than once."""
+        self.built = True
+
+    @property
+    def variables(self):
+        """The state variables, in checkpoint order."""
+        return list(self._variables)
+
+    def _add_variable(self, name, value, dtype):
+        # "only_first_replica": every replica computes the same update from
+        # the same aggregated gradients, so any replica's value is the value.
+        variable = keras.Variable(
+            value,
+            dtype=dtype,
+            trainable=False,
+            name=name,
+            aggregation="only_first_replica",
+        )
+        self._variables.append(variable)
+        return variable
+
+    def __call__(self):
+        """Returns the current loss scale as a float32 scalar tensor."""
+        raise NotImplementedError
+
+    def update(self, is_finite):
+        """Updates the state after a step and says whether to apply it.
+
+        Args:
+            is_finite: Boolean scalar tensor, True when every aggregated
+                gradient of the step was finite.
+
+        Returns:
+            Boolean scalar tensor: True when the step's gradients should be
+            applied.
+        """
+        raise NotImplementedError
+
+    @property
+    def is_dynamic(self):
+        """Whether the scale changes during training and steps may be skipped."""
+        return False
+
+    def get_config(self):
+        raise NotImplementedError
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def __repr__(self):
+        arguments = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({arguments})"
+
+
+def _check_number(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"`{name}` must be a number. "
+            f"Received: {name}={value!r} (of type {type(value).__name__})"
+        )
+    if not math.isfinite(value):
+        raise ValueError(f"`{name}` must be finite. Received: {name}={value!r}")
+    return value
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class FixedLossScale(LossScale):
+    """Loss scale that never changes.
+
+    A fixed scale never skips a step: gradients are applied unconditionally
+    (RFC 293), so a scale too large for the model gives inf/NaN weights rather
+    than a silently stalled run. Prefer `DynamicLossScale` unless a known good
+    value is at hand.
+
+    Args:
+        loss_scale_value: The scale, a number >= 1.
+
+    Example:
+
+    >>> scale = keras_mp.FixedLossScale(128)
+    >>> float(scale())
+    128.0
+    """
+
+    def __init__(self, loss_scale_value):
+        super().__init__()
+        _check_number("loss_scale_value", loss_scale_value)
+        if loss_scale_value < 1:
+            raise ValueError(
+                "`loss_scale_value` must be at least 1: a fixed scale below 1 "
+                "makes underflow worse. Received: "
+                f"loss_scale_value={loss_scale_value!r}. For a loss that "
+                "overflows float16 itself, use "
+                "DynamicLossScale(min_loss_scale=...) instead."
+            )
+        self._loss_scale_value = float(loss_scale_value)
+
+    @property
+    def loss_scale_value(self):
+        return self._loss_scale_value
+
+    def __call__(self):
+        return ops.convert_to_tensor(self._loss_scale_value, dtype="float32")
+
+    def update(self, is_finite):
+        return ops.convert_to_tensor(True)
+
+    def get_config(self):
+        return {"loss_scale_value": self._loss_scale_value}
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class DynamicLossScale(LossScale):
+    """Loss scale that grows while gradients stay finite and shrinks on overflow.
+
+    Scaling the loss keeps small float16 gradients from flushing to zero;
+    the scale settles near the largest value that does not overflow.
+
+    On a step with a non-finite gradient the scale becomes
+    `max(scale / multiplier, min_loss_scale)`, `num_good_steps` resets and
+    the step is skipped. After `increment_period` finite steps in a row the
+    counter resets and the scale is multiplied by `multiplier`, unless the
+    result would be non-finite or above `max_loss_scale`, in which case it
+    stays. With the default multiplier of 2, scales stay exact powers of two.
+
+    Args:
+        initial_loss_scale: Starting scale. Defaults to `2**15`.
+        increment_period: Finite steps in a row before the scale grows.
+            Defaults to `2000`.
+        multiplier: Growth and shrink factor. Defaults to `2.0`.
+        min_loss_scale: Floor of the scale. May be below 1 for losses that
+            overflow float16 themselves. Defaults to `1.0`.
+        max_loss_scale: Cap of the scale, or None for no cap other than
+            float32's range. Defaults to `None`.
+
+    Example:
+
+    >>> scale = keras_mp.DynamicLossScale(initial_loss_scale=1024)
+    >>> float(scale())
+    1024.0
+    """
+
+    def __init__(
+        self,
+        initial_loss_scale=2**15,
+        increment_period=2000,
+        multiplier=2.0,
+        min_loss_scale=1.0,
+        max_loss_scale=None,
+    ):
+        super().__init__()
+        _check_number("initial_loss_scale", initial_loss_scale)
+        _check_number("multiplier", multiplier)
+        _check_number("min_loss_scale", min_loss_scale)
+        if max_loss_scale is not None:
+            _check_number("max_loss_scale", max_loss_scale)
+        if isinstance(increment_period, bool) or not isinstance(
+            increment_period, numbers.Integral
+        ):
+            raise TypeError(
+                "`increment_period` must be an integer. Received: "
+                f"increment_period={increment_period!r}"
+            )
+        if increment_period < 1:
+            raise ValueError(
+                "`increment_period` must be at least 1. Received: "
+                f"increment_period={increment_period!r}"
+            )
+        if multiplier <= 1:
+            raise ValueError(
+                "`multiplier` must be greater than 1, or the scale could never "
+                f"recover from an overflow. Received: multiplier={multiplier!r}"
+            )
+        if min_loss_scale <= 0:
+            raise ValueError(
+                "`min_loss_scale` must be positive. Received: "
+                f"min_loss_scale={min_loss_scale!r}"
+            )
+        if initial_loss_scale < min_loss_scale:
+            raise ValueError(
+                "`initial_loss_scale` must be at least `min_loss_scale`. "
+                f"Received: initial_loss_scale={initial_loss_scale!r}, "
+                f"min_loss_scale={min_loss_scale!r}. Lower min_loss_scale or "
+                "raise initial_loss_scale."
+            )
+        if max_loss_scale is not None and initial_loss_scale > max_loss_scale:
+            raise ValueError(
+                "`initial_loss_scale` must be at most `max_loss_scale`. "
+                f"Received: initial_loss_scale={initial_loss_scale!r}, "
+                f"max_loss_scale={max_loss_scale!r}. Raise max_loss_scale or "
+                "lower initial_loss_scale."
+            )
+        self.initial_loss_scale = float(initial_loss_scale)
+        self.increment_period = int(increment_period)
+        self.multiplier = float(multiplier)
+        self.min_loss_scale = float(min_loss_scale)
+        self.max_loss_scale = (
+            None if max_loss_scale is None else float(max_loss_scale)
+        )
+
+    def build(self):
+        if self.built:
+            return
+        self._loss_scale = self._add_variable(
+            "loss_scale", self.initial_loss_scale, "float32"
+        )
+        self._num_good_steps = self._add_variable("num_good_steps", 0, "int32")
+        super().build()
+
+    @property
+    def loss_scale(self):
+        """Keras variable holding the current scale (float32)."""
+        self.build()
+        return self._loss_scale
+
+    @property
+    def num_good_steps(self):
+        """Keras variable counting finite steps since the last change."""
+        self.build()
+        return self._num_good_steps
+
+    @property
+    def is_dynamic(self):
+        return True
+
+    def __call__(self):
+        if not self.built:
+            return ops.convert_to_tensor(self.initial_loss_scale, "float32")
+        return ops.convert_to_tensor(self._loss_scale.value, "float32")
+
+    def update(self, is_finite):
+        self.build()
+        is_finite = ops.convert_to_tensor(is_finite, "bool")
+        scale = ops.convert_to_tensor(self._loss_scale.value, "float32")
+        good_steps = ops.convert_to_tensor(self._num_good_steps.value, "int32")
+
+        good_steps = good_steps + 1
+        grow = ops.greater_equal(good_steps, self.increment_period)
+        grown = scale * self.multiplier
+        can_grow = ops.isfinite(grown)
+        if self.max_loss_scale is not None:
+            can_grow = ops.logical_and(
+                can_grow, ops.less_equal(grown, self.max_loss_scale)
+            )
+        scale_if_finite = ops.where(ops.logical_and(grow, can_grow), grown, scale)
+        good_if_finite = ops.where(grow, ops.zeros_like(good_steps), good_steps)
+        scale_if_not = ops.maximum(scale / self.multiplier, self.min_loss_scale)
+
+        self._loss_scale.assign(
+            ops.where(is_finite, scale_if_finite, scale_if_not)
+        )
+        self._num_good_steps.assign(
+            ops.where(is_finite, good_if_finite, ops.zeros_like(good_steps))
+        )
+        return is_finite
+
+    def get_config(self):
+        return {
+            "initial_loss_scale": self.initial_loss_scale,
+            "increment_period": self.increment_period,
+            "multiplier": self.multiplier,
+            "min_loss_scale": self.min_loss_scale,
+            "max_loss_scale": self.max_loss_scale,
+        }
+
+
+def get(identifier):
+    """Returns a `LossScale` for an identifier.
+
+    Args:
+        identifier: None, `"dynamic"`, a number (a `FixedLossScale`), a
+            `LossScale`, or a config dict as `keras.saving` writes it.
+
+    Returns:
+        A `LossScale`, or None.
+    """
+    if identifier is None or isinstance(identifier, LossScale):
+        return identifier
+    if identifier == "dynamic":
+        return DynamicLossScale()
+    if isinstance(identifier, numbers.Real) and not isinstance(
+        identifier, bool
+    ):
+        return FixedLossScale(identifier)
+    if isinstance(identifier, dict):
+        if "class_name" not in identifier:
+            raise ValueError(
+                "A loss scale config dict needs a 'class_name' key, as "
+                "`keras.saving.serialize_keras_object` writes it. Received: "
+                f"loss_scale={identifier!r}"
+            )
+        loss_scale = keras.saving.deserialize_keras_object(identifier)
+        if not isinstance(loss_scale, LossScale):
+            raise ValueError(
+                "The config does not describe a keras_mp loss scale. "
+                f"Received: loss_scale={identifier!r}"
+            )
+        return loss_scale
+    if isinstance(identifier, str):
+        raise ValueError(
+            "Unknown loss scale name. Expected 'dynamic' (or 'auto' for a "
+            f"Policy). Received: loss_scale={identifier!r}"
+        )
+    raise TypeError(
+        "`loss_scale` must be None, 'dynamic', a number, a keras_mp.LossScale "
+        "or a loss scale config dict. "
+        f"Received: loss_scale={identifier!r} "
+        f"(of type {type(identifier).__name__})"
+    )

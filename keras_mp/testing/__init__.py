@@ -1,0 +1,79 @@
+"""Helpers shared by the keras_mp test suite (not imported by the library)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+
+__all__ = [
+    "assert_bitwise_equal",
+    "assert_close",
+    "run_python",
+    "tolerance",
+    "to_numpy",
+]
+
+_TOLERANCES = {"float16": 1e-2, "bfloat16": 4e-2, "float32": 1e-5, "float64": 1e-9}
+
+
+def to_numpy(value):
+    """A NumPy array of a tensor or variable of any backend."""
+    import keras
+
+    if isinstance(value, keras.Variable):
+        value = value.value
+    return np.asarray(keras.ops.convert_to_numpy(value))
+
+
+def tolerance(dtype):
+    """Relative and absolute tolerance that fits a dtype's precision."""
+    return _TOLERANCES[str(dtype)]
+
+
+def assert_close(actual, expected, dtype="float32", msg=""):
+    """Asserts two numeric structures agree within the dtype's tolerance."""
+    tol = tolerance(dtype)
+    np.testing.assert_allclose(
+        to_numpy(actual).astype("float64"),
+        to_numpy(expected).astype("float64"),
+        rtol=tol,
+        atol=tol,
+        err_msg=msg,
+    )
+
+
+def assert_bitwise_equal(actual, expected, msg=""):
+    """Asserts two arrays hold identical bits (NaNs included)."""
+    a, e = to_numpy(actual), to_numpy(expected)
+    assert a.dtype == e.dtype, f"{msg} dtype {a.dtype} != {e.dtype}"
+    assert a.shape == e.shape, f"{msg} shape {a.shape} != {e.shape}"
+    assert a.tobytes() == e.tobytes(), f"{msg} bits differ:\n{a}\n!=\n{e}"
+
+
+def run_python(code, env=None, timeout=600):
+    """Runs Python code in a fresh interpreter and returns its stdout.
+
+    Needed where state must be set before a backend is imported (JAX's host
+    device count, TensorFlow's logical devices) or where a fresh process is
+    the point (loading a saved model with no global policy set).
+
+    Raises:
+        AssertionError: with the child's output, if it exits non-zero.
+    """
+    full_env = dict(os.environ)
+    full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    full_env.update(env or {})
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, (
+        f"child exited {result.returncode}\nstdout:\n{result.stdout}\n"
+        f"stderr:\n{result.stderr[-6000:]}"
+    )
+    return result.stdout
