@@ -5,11 +5,15 @@ Customizable Optimizer.minimize) on every Keras 3 backend.
 """
 
 from keras_mp import losses
+from keras_mp import models
+from keras_mp import transforms
 from keras_mp.autocast import AutoCastVariable
 from keras_mp.autocast import enable_autocast
 from keras_mp.loss_scale import DynamicLossScale
 from keras_mp.loss_scale import FixedLossScale
 from keras_mp.loss_scale import LossScale
+from keras_mp.optimizers import LossScaleOptimizer
+from keras_mp.optimizers import OptimizerWrapper
 from keras_mp.policy import Policy
 from keras_mp.policy import global_policy
 from keras_mp.policy import policy_scope
@@ -22,10 +26,14 @@ __all__ = [
     "DynamicLossScale",
     "FixedLossScale",
     "LossScale",
+    "LossScaleOptimizer",
+    "OptimizerWrapper",
     "Policy",
     "enable_autocast",
     "global_policy",
     "losses",
+    "models",
     "policy_scope",
     "set_global_policy",
+    "transforms",
 ]

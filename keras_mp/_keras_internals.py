@@ -15,11 +15,13 @@ from keras.src.backend.common.variables import get_autocast_scope
 from keras.src.dtype_policies import dtype_policy as dtype_policy_module
 from keras.src.dtype_policies.dtype_policy import QUANTIZATION_MODES
 from keras.src.ops.operation import Operation
+from keras.src.saving.keras_saveable import KerasSaveable
 from keras.src.trainers.trainer import Trainer
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 __all__ = [
     "AutocastScope",
+    "KerasSaveable",
     "QUANTIZATION_MODES",
     "Trainer",
     "get_autocast_scope",
@@ -87,6 +89,15 @@ def install_global_policy_lookup(process_policy):
 
     dtype_policy._keras_mp_lookup = True
     dtype_policy_module.dtype_policy = dtype_policy
+    # The public names were bound to the original at import: left alone, they
+    # would report floatx in a worker thread and cache it there thread-locally,
+    # hiding the process-global policy from that thread's layers.
+    import keras
+
+    for module in (keras.config, keras.mixed_precision):
+        for attribute in ("dtype_policy", "global_policy"):
+            if getattr(module, attribute, None) is original:
+                setattr(module, attribute, dtype_policy)
 
 
 def install_policy_deserialization(keeps_policy):

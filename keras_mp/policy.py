@@ -211,7 +211,9 @@ def _set_global_policy_unchecked(policy):
     global _global_policy
     with _global_policy_lock:
         _global_policy = policy
-        _keras_internals.set_keras_thread_policy(policy)
+        # Cleared rather than set: a policy cached in this thread's Keras state
+        # would outlive a later set_global_policy made from another thread.
+        _keras_internals.set_keras_thread_policy(None)
 
 
 @contextlib.contextmanager

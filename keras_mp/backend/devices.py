@@ -44,10 +44,15 @@ def _gpu_details(name, compute_capability):
 def _parse_capability(value):
     if value is None:
         return None
-    if isinstance(value, str):
-        major, _, minor = value.partition(".")
-        return (int(major), int(minor or 0))
-    return tuple(int(v) for v in value)
+    try:
+        if isinstance(value, str):
+            major, _, minor = value.partition(".")
+            return (int(major), int(minor or 0))
+        return tuple(int(v) for v in value)
+    except (TypeError, ValueError):
+        # Not an NVIDIA compute capability (ROCm reports e.g. "gfx90a"): the
+        # check must warn, never crash set_global_policy.
+        return None
 
 
 def _tensorflow_accelerators():
@@ -154,8 +159,7 @@ def compatibility_warning(policy_name, details):
             "Mixed precision compatibility check (mixed_float16): float16 "
             "runs fast only on NVIDIA GPUs of compute capability 7.0 or "
             f"higher, and this process has {found}. It may run slower than "
-            f"float32 here; {better} is the better choice on these devices. "
-            "Call keras_mp.recommend_policy() to measure."
+            f"float32 here; {better} is the better choice on these devices."
         )
     if policy_name == "mixed_bfloat16":
         if all(d["native_bfloat16"] for d in details):
@@ -166,7 +170,7 @@ def compatibility_warning(policy_name, details):
             "support, so bfloat16 is emulated and may run slower than "
             "float32; 'float32' is the better choice here (or "
             "'mixed_float16' on an NVIDIA GPU of compute capability 7.0 or "
-            "higher). Call keras_mp.recommend_policy() to measure."
+            "higher)."
         )
     return None
 

@@ -1,0 +1,141 @@
+"""Gradients and cross-replica aggregation: what `keras.ops` cannot express."""
+
+import keras
+
+
+def _backend():
+    return keras.backend.backend()
+
+
+def compute_gradients(loss, variables, tape=None):
+    """Gradients of `loss` with respect to `variables`, one per variable.
+
+    Args:
+        loss: A scalar tensor (TensorFlow, with `tape`) or a zero-argument
+            callable returning the loss (any backend). On JAX and PyTorch
+            the loss must be a callable: gradients are taken by re-running it.
+        variables: A list of Keras variables.
+        tape: A `tf.GradientTape` that recorded `loss` (TensorFlow only).
+
+    Returns:
+        A list of gradients (None where `loss` does not depend on a variable).
+    """
+    backend = _backend()
+    if backend == "tensorflow":
+        return _tensorflow_gradients(loss, variables, tape)
+    if tape is not None:
+        raise ValueError(
+            "`tape` is a TensorFlow GradientTape and only works with the "
+            f"TensorFlow backend. Received: tape={tape!r} with the {backend} "
+            "backend. Pass the loss as a zero-argument callable instead."
+        )
+    if not callable(loss):
+        raise TypeError(
+            f"On the {backend} backend the loss must be a zero-argument "
+            "callable, so that its gradients can be computed. Received: "
+            f"loss={loss!r}. Pass `lambda: compute_loss(...)` instead."
+        )
+    if backend == "jax":
+        return _jax_gradients(loss, variables)
+    if backend == "torch":
+        return _torch_gradients(loss, variables)
+    raise ValueError(f"Unsupported Keras backend: {backend!r}")
+
+
+def _tensorflow_gradients(loss, variables, tape):
+    import tensorflow as tf
+
+    if callable(loss):
+        with tf.GradientTape() as tape:
+            tape.watch([v.value for v in variables])
+            loss = loss()
+    elif tape is None:
+        raise ValueError(
+            "A tensor loss needs the `tf.GradientTape` that recorded it. "
+            "Received: tape=None. Pass `tape=tape`, or pass the loss as a "
+            "zero-argument callable."
+        )
+    return tape.gradient(loss, [v.value for v in variables])
+
+
+def _jax_gradients(loss_fn, variables):
+    import jax
+
+    def loss_of(values):
+        mapping = list(zip(variables, values))
+        with keras.StatelessScope(state_mapping=mapping):
+            return loss_fn()
+
+    values = [v.value for v in variables]
+    return list(jax.grad(loss_of)(values))
+
+
+def _torch_gradients(loss_fn, variables):
+    import torch
+
+    loss = loss_fn()
+    values = [v.value for v in variables]
+    grads = torch.autograd.grad(loss, values, allow_unused=True)
+    return list(grads)
+
+
+def all_reduce_sum(grads):
+    """Sums gradients across replicas when running under tf.distribute.
+
+    Outside a replica context (one device, or JAX where sharded gradients
+    are already global inside `jax.jit`) the gradients are returned as is.
+    """
+    if _backend() != "tensorflow":
+        return grads
+    import tensorflow as tf
+
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return grads
+    replica_context = tf.distribute.get_replica_context()
+    present = [g for g in grads if g is not None]
+    if not present or replica_context.num_replicas_in_sync == 1:
+        return grads
+    reduced = iter(replica_context.all_reduce(tf.distribute.ReduceOp.SUM, present))
+    return [None if g is None else next(reduced) for g in grads]
+
+
+def apply_aggregated(optimizer, grads, variables):
+    """Applies already aggregated gradients with a plain Keras optimizer.
+
+    Keras's TensorFlow optimizer all-reduces gradients inside `apply`; the
+    wrapper has aggregated them once already in its `aggregate_gradients`
+    stage, so the second sum is switched off for this call.
+    """
+    if _backend() != "tensorflow":
+        optimizer.apply(grads, variables)
+        return
+    import tensorflow as tf
+
+    if not tf.distribute.has_strategy():
+        optimizer.apply(grads, variables)
+        return
+    # `_all_reduce_sum_gradients` is the TensorFlow optimizer's hook for this
+    # sum (keras 3.0 - 3.15); an instance attribute shadows it for one call.
+    optimizer._all_reduce_sum_gradients = lambda grads_and_vars: grads_and_vars
+    try:
+        optimizer.apply(grads, variables)
+    finally:
+        del optimizer._all_reduce_sum_gradients
+
+
+def gradient_values(grad):
+    """The dense values of a gradient (a `tf.IndexedSlices`'s `values`)."""
+    return getattr(grad, "values", grad) if _is_indexed_slices(grad) else grad
+
+
+def map_gradient(fn, grad):
+    """Applies `fn` to a gradient's values, keeping sparse gradients sparse."""
+    if _is_indexed_slices(grad):
+        import tensorflow as tf
+
+        return tf.IndexedSlices(fn(grad.values), grad.indices, grad.dense_shape)
+    return fn(grad)
+
+
+def _is_indexed_slices(grad):
+    return type(grad).__name__ == "IndexedSlices" and hasattr(grad, "indices")

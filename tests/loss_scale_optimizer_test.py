@@ -1,0 +1,291 @@
+import math
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_mp
+from keras_mp.testing import assert_bitwise_equal
+from keras_mp.testing import assert_close
+from keras_mp.testing import to_numpy
+
+BACKEND = keras.backend.backend()
+
+
+def _variables():
+    return [
+        keras.Variable([1.0, 2.0, 3.0, 4.0], name="a"),
+        keras.Variable([[0.5, -0.5]], name="b"),
+    ]
+
+
+def _grads(scale, poison=None):
+    grads = [
+        np.array([1.0, 6.0, 7.0, 2.0], "float32") * scale,
+        np.array([[0.25, -1.0]], "float32") * scale,
+    ]
+    if poison is not None:
+        grads[1][0, 0] = poison
+    return [ops.convert_to_tensor(g) for g in grads]
+
+
+def _apply(optimizer, grads, variables):
+    """One step, stateful on TensorFlow and stateless on JAX (as `fit`)."""
+    if BACKEND != "jax":
+        optimizer.apply(grads, variables)
+        return
+    optimizer.build(variables)
+    new_vars, new_opt_vars = optimizer.stateless_apply(
+        [v.value for v in optimizer.variables],
+        grads,
+        [v.value for v in variables],
+    )
+    for ref, value in zip(variables, new_vars):
+        ref.assign(value)
+    for ref, value in zip(optimizer.variables, new_opt_vars):
+        ref.assign(value)
+
+
+def test_finite_step_unscales_gradients_before_the_inner_update():
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.5))
+    variables = _variables()
+    _apply(optimizer, _grads(optimizer.initial_scale), variables)
+    assert_close(variables[0], [0.5, -1.0, -0.5, 3.0])
+    assert_close(variables[1], [[0.375, 0.0]])
+    assert int(to_numpy(optimizer.iterations)) == 1
+    assert int(to_numpy(optimizer.skipped_steps)) == 0
+
+
+@pytest.mark.parametrize("poison", [np.inf, -np.inf, np.nan])
+def test_nonfinite_step_is_skipped_bit_for_bit_and_halves_the_scale(poison):
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.Adam(0.1, weight_decay=0.01),
+        loss_scale=keras_mp.DynamicLossScale(1024.0, increment_period=3),
+    )
+    variables = _variables()
+    for _ in range(2):
+        _apply(optimizer, _grads(1024.0), variables)
+    before_vars = [to_numpy(v) for v in variables]
+    inner_before = [to_numpy(v) for v in optimizer.inner_optimizer.variables]
+    _apply(optimizer, _grads(1024.0, poison=poison), variables)
+    for variable, value in zip(variables, before_vars):
+        assert_bitwise_equal(variable, value)
+    for variable, value in zip(optimizer.inner_optimizer.variables, inner_before):
+        assert_bitwise_equal(variable, value, msg=variable.path)
+    assert float(to_numpy(optimizer.loss_scale())) == 512.0
+    assert int(to_numpy(optimizer.loss_scale.num_good_steps)) == 0
+    assert int(to_numpy(optimizer.iterations)) == 2
+    assert int(to_numpy(optimizer.skipped_steps)) == 1
+
+
+def test_scale_follows_the_algorithm_step_by_step_with_injected_overflows():
+    loss_scale = keras_mp.DynamicLossScale(
+        initial_loss_scale=4.0,
+        increment_period=2,
+        multiplier=2.0,
+        min_loss_scale=1.0,
+        max_loss_scale=16.0,
+    )
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01), loss_scale=loss_scale
+    )
+    variables = _variables()
+    pattern = "FFFFFFNNNNNFFFNFFFFFFFFNF"
+    scale, good, skipped, applied = 4.0, 0, 0, 0
+    for step, kind in enumerate(pattern):
+        grads = _grads(scale, poison=np.nan if kind == "N" else None)
+        _apply(optimizer, grads, variables)
+        if kind == "N":
+            scale, good, skipped = max(scale / 2, 1.0), 0, skipped + 1
+        else:
+            good, applied = good + 1, applied + 1
+            if good == 2:
+                good = 0
+                if scale * 2 <= 16.0:
+                    scale *= 2
+        got = float(to_numpy(optimizer.loss_scale()))
+        assert got == scale, f"step {step}: scale {got} != {scale}"
+        assert int(to_numpy(optimizer.loss_scale.num_good_steps)) == good
+        assert int(to_numpy(optimizer.skipped_steps)) == skipped
+        assert int(to_numpy(optimizer.iterations)) == applied
+        assert 1.0 <= got <= 16.0 and math.isfinite(got)
+
+
+def test_fixed_loss_scale_never_skips():
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.5), loss_scale=8
+    )
+    variables = _variables()
+    _apply(optimizer, _grads(8.0, poison=np.inf), variables)
+    assert np.isinf(to_numpy(variables[1])[0, 0])
+    assert int(to_numpy(optimizer.iterations)) == 1
+    assert float(to_numpy(optimizer.loss_scale())) == 8.0
+
+
+def test_rfc293_style_and_keras3_style_give_identical_updates():
+    def run(style):
+        keras.utils.set_random_seed(0)
+        optimizer = keras_mp.LossScaleOptimizer(
+            keras.optimizers.Adam(0.01),
+            loss_scale=keras_mp.DynamicLossScale(256.0),
+        )
+        variables = _variables()
+        optimizer.build(variables)
+        grads = _grads(256.0)
+        if style == "rfc293":
+            grads = optimizer.get_unscaled_gradients(grads)
+        optimizer.apply_gradients(zip(grads, variables))
+        return [to_numpy(v) for v in variables]
+
+    for a, b in zip(run("keras3"), run("rfc293")):
+        assert_bitwise_equal(a, b)
+
+
+def test_get_unscaled_gradients_passes_none_through():
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), loss_scale=4
+    )
+    grads = optimizer.get_unscaled_gradients([None, ops.ones((2,))])
+    assert grads[0] is None
+    assert_close(grads[1], [0.25, 0.25])
+
+
+def test_get_scaled_loss_accepts_tensors_and_callables():
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), loss_scale=keras_mp.DynamicLossScale(64)
+    )
+    assert float(to_numpy(optimizer.get_scaled_loss(ops.ones(())))) == 64.0
+    scaled = optimizer.get_scaled_loss(lambda: ops.ones(()) * 2)
+    assert float(to_numpy(scaled())) == 128.0
+
+
+def test_minimize_with_a_callable_loss_on_every_backend():
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.5), loss_scale=keras_mp.DynamicLossScale(1024)
+    )
+    w = keras.Variable([1.0, -2.0])
+    optimizer.minimize(lambda: ops.sum(ops.square(w)), [w])
+    # d/dw sum(w^2) = 2w; w - 0.5 * 2w = 0.
+    assert_close(w, [0.0, 0.0])
+    assert int(to_numpy(optimizer.iterations)) == 1
+
+
+@pytest.mark.backends("tensorflow")
+def test_minimize_with_a_tape_in_tf_function():
+    import tensorflow as tf
+
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.25), loss_scale=keras_mp.DynamicLossScale(2.0**20)
+    )
+    w = keras.Variable([1.0, -2.0])
+
+    @tf.function(jit_compile=True)
+    def step():
+        with tf.GradientTape() as tape:
+            loss = ops.sum(ops.square(w))
+        optimizer.minimize(loss, [w], tape=tape)
+
+    step()
+    assert_close(w, [0.5, -1.0])
+
+
+def test_delegates_hyperparameters_and_refuses_other_attributes():
+    inner = keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True)
+    optimizer = keras_mp.LossScaleOptimizer(inner)
+    assert float(optimizer.momentum) == 0.9 and optimizer.nesterov is True
+    optimizer.momentum = 0.5
+    assert inner.momentum == 0.5
+    optimizer.learning_rate = 0.25
+    assert float(to_numpy(inner.learning_rate)) == 0.25
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    assert not inner._use_weight_decay(keras.Variable([1.0], name="bias"))
+    assert "momentum" in dir(optimizer) and "nesterov" in dir(optimizer)
+    assert optimizer.iterations is inner.iterations
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        optimizer.no_such_thing  # noqa: B018
+    with pytest.raises(AttributeError, match="inner_optimizer"):
+        optimizer._momentums  # noqa: B018
+
+
+def test_variables_are_the_inner_ones_then_the_loss_scale():
+    inner = keras.optimizers.Adam(0.1)
+    optimizer = keras_mp.LossScaleOptimizer(inner)
+    optimizer.build(_variables())
+    names = [v.name for v in optimizer.variables]
+    n = len(inner.variables)
+    assert optimizer.variables[:n] == inner.variables
+    assert names[n:] == ["loss_scale", "num_good_steps", "skipped_steps"]
+
+
+def test_is_a_keras_loss_scale_optimizer_and_serializes_nested():
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.3, momentum=0.2),
+        loss_scale=keras_mp.DynamicLossScale(
+            initial_loss_scale=128.0,
+            increment_period=7,
+            multiplier=4.0,
+            min_loss_scale=0.5,
+            max_loss_scale=4096.0,
+        ),
+        aggregate_in_float16=True,
+        name="scaled",
+    )
+    assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    config = keras.saving.serialize_keras_object(optimizer)
+    assert config["registered_name"] == "keras_mp>LossScaleOptimizer"
+    restored = keras.saving.deserialize_keras_object(config)
+    assert type(restored) is keras_mp.LossScaleOptimizer
+    assert restored.get_config() == optimizer.get_config()
+    assert restored.loss_scale.get_config() == optimizer.loss_scale.get_config()
+    assert restored.aggregate_in_float16 is True
+    assert float(restored.inner_optimizer.momentum) == 0.2
+
+
+def test_reads_keras3_and_tf_keras_constructor_arguments():
+    keras3 = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=64.0, dynamic_growth_steps=5
+    )
+    assert keras3.loss_scale.initial_loss_scale == 64.0
+    assert keras3.loss_scale.increment_period == 5
+    tf_keras_config = {
+        "inner_optimizer": keras.saving.serialize_keras_object(
+            keras.optimizers.SGD(0.1)
+        ),
+        "dynamic": False,
+        "initial_scale": 32.0,
+        "dynamic_growth_steps": None,
+    }
+    fixed = keras_mp.LossScaleOptimizer.from_config(tf_keras_config)
+    assert isinstance(fixed.loss_scale, keras_mp.FixedLossScale)
+    assert fixed.loss_scale.loss_scale_value == 32.0
+
+
+def test_bad_input_raises_with_what_was_expected_and_received():
+    with pytest.raises(TypeError, match="Received: optimizer='adam'"):
+        keras_mp.LossScaleOptimizer("adam")
+    inner = keras.optimizers.SGD(0.1)
+    scaled = keras_mp.LossScaleOptimizer(inner)
+    with pytest.raises(ValueError, match="already scales the loss"):
+        keras_mp.LossScaleOptimizer(scaled)
+    with pytest.raises(ValueError, match="already scales the loss"):
+        keras_mp.LossScaleOptimizer(
+            keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+        )
+    with pytest.raises(ValueError, match="already wrapped"):
+        keras_mp.LossScaleOptimizer(inner)
+    with pytest.raises(ValueError, match="needs a loss scale"):
+        keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), loss_scale=None)
+    with pytest.raises(ValueError, match="at least 1"):
+        keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), loss_scale=0.5)
+    with pytest.raises(ValueError, match="does not support arguments: `foo`"):
+        keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), foo=1)
+
+
+def test_float16_gradients_for_float32_variables_name_the_variable():
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    variable = keras.Variable([1.0, 2.0], name="kernel_x")
+    with pytest.raises(ValueError, match="kernel_x.*float16"):
+        optimizer.apply_gradients(
+            [(ops.ones((2,), dtype="float16"), variable)]
+        )
