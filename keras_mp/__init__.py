@@ -6,6 +6,7 @@ Customizable Optimizer.minimize) on every Keras 3 backend.
 
 from keras_mp import losses
 from keras_mp import models
+from keras_mp import optimizers
 from keras_mp import transforms
 from keras_mp.autocast import AutoCastVariable
 from keras_mp.autocast import enable_autocast
@@ -33,6 +34,7 @@ __all__ = [
     "global_policy",
     "losses",
     "models",
+    "optimizers",
     "policy_scope",
     "set_global_policy",
     "transforms",

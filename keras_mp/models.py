@@ -61,7 +61,13 @@ def _install_compile_hook():
                 arguments["optimizer"] = wrap_for_policy(
                     arguments["optimizer"], policy
                 )
-        return original(*bound.args, **bound.kwargs)
+        result = original(*bound.args, **bound.kwargs)
+        compile_config = getattr(self, "_compile_config", None)
+        if not arguments["auto_scale_loss"] and compile_config is not None:
+            # Keras does not save this flag; without it `load_model` would
+            # wrap the optimizer the user chose not to wrap.
+            compile_config.config["auto_scale_loss"] = False
+        return result
 
     compile._keras_mp_hook = True
     trainer.compile = compile

@@ -172,7 +172,7 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             self.__dict__.pop(key, None)
         self._inner_optimizer = optimizer
         optimizer._keras_mp_wrapped_by = self.name
-        self._delegated = frozenset(optimizer.get_config()) - {"name"}
+        self._delegated = _hyperparameter_names(optimizer)
         self._transforms = transforms_module.Chain(transform_gradients or [])
         self._aggregate_gradients_fn = aggregate_gradients
         self._keras_mp_state = _WrapperState(self)
@@ -540,6 +540,18 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
     def set_state(self, state):
         """Restores `get_state()`'s output; all or nothing on a mismatch."""
         self._transforms.set_state(state)
+
+
+def _hyperparameter_names(optimizer):
+    """The attribute names a wrapper delegates to `optimizer`."""
+    names = set(optimizer.get_config()) - {"name"}
+    if _is_wrapper(optimizer):
+        # A wrapper's own config keys (the nested optimizer, its transforms)
+        # are structure, not hyperparameters; what it delegates passes on.
+        names -= {"optimizer", "inner_optimizer", "transform_gradients"}
+        names -= {"aggregate_gradients"}
+        names |= optimizer._delegated
+    return frozenset(names)
 
 
 def _is_wrapper(optimizer):

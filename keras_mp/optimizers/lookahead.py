@@ -1,0 +1,71 @@
+"""Lookahead: an optimizer wrapper written on the RFC 234 pipeline."""
+
+import keras
+from keras import ops
+
+from keras_mp.optimizers.wrapper import OptimizerWrapper
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class Lookahead(OptimizerWrapper):
+    """Lookahead (Zhang et al., 2019): fast weights explore, slow ones follow.
+
+    The inner optimizer updates the model ("fast") weights as usual; every
+    `sync_period` applied updates the slow weights move `slow_step_size` of
+    the way towards them and the fast weights restart from the slow ones.
+    Only `build_wrapper` and `apply_updates` are overridden. The sync keys on
+    `iterations`, which counts applied updates, and is idempotent, so a step
+    skipped by an inner `LossScaleOptimizer` changes nothing.
+
+    Args:
+        optimizer: The `keras.optimizers.Optimizer` to wrap.
+        sync_period: Applied updates between synchronizations. Defaults to `5`.
+        slow_step_size: Fraction of the way the slow weights move.
+            Defaults to `0.5`.
+        **kwargs: `transform_gradients`, `aggregate_gradients` and `name`,
+            as for `OptimizerWrapper`.
+
+    Example:
+
+    >>> opt = keras_mp.optimizers.Lookahead(keras.optimizers.SGD(0.1), 2)
+    >>> opt.sync_period
+    2
+    """
+
+    def __init__(self, optimizer, sync_period=5, slow_step_size=0.5, **kwargs):
+        if isinstance(sync_period, bool) or not isinstance(sync_period, int):
+            raise TypeError(f"`sync_period` must be an int. Received: {sync_period!r}")
+        if sync_period < 1 or not 0.0 < slow_step_size <= 1.0:
+            raise ValueError(
+                "Expected sync_period >= 1 and 0 < slow_step_size <= 1. "
+                f"Received: sync_period={sync_period}, "
+                f"slow_step_size={slow_step_size}"
+            )
+        super().__init__(optimizer, **kwargs)
+        self.sync_period = sync_period
+        self.slow_step_size = float(slow_step_size)
+
+    def build_wrapper(self, var_list):
+        self._slow_weights = []
+        for variable in var_list:
+            slow = self.add_variable_from_reference(variable, name="slow")
+            # A copy: on JAX, sharing the buffer breaks buffer donation in fit.
+            slow.assign(ops.copy(variable.value))
+            self._slow_weights.append(slow)
+
+    def apply_updates(self, grads_and_vars):
+        super().apply_updates(grads_and_vars)
+        sync = ops.equal(ops.mod(self.iterations, self.sync_period), 0)
+        for variable in {id(v): v for _, v in grads_and_vars}.values():
+            slow = self._slow_weights[self._get_variable_index(variable)]
+            fast_value, slow_value = variable.value, slow.value
+            moved = slow_value + self.slow_step_size * (fast_value - slow_value)
+            slow.assign(ops.where(sync, moved, slow_value))
+            variable.assign(ops.where(sync, moved, fast_value))
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            sync_period=self.sync_period, slow_step_size=self.slow_step_size
+        )
+        return config
