@@ -338,13 +338,27 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         return list(zip(grads, variables))
 
     def transform_unaggregated_gradients(self, grads_and_vars):
-        """Stage 3: transforms each replica's gradients before aggregation."""
+        """Stage 3: transforms each replica's gradients before aggregation.
+
+        The default defers to an inner wrapper, and is the identity otherwise.
+        """
+        inner = self._inner_optimizer
+        if _is_wrapper(inner):
+            return inner.transform_unaggregated_gradients(grads_and_vars)
         return grads_and_vars
 
     def aggregate_gradients(self, grads_and_vars):
-        """Stage 4: sums gradients across replicas (identity on one device)."""
+        """Stage 4: sums gradients across replicas (identity on one device).
+
+        Uses the `aggregate_gradients` constructor argument if given, else
+        defers to an inner wrapper (whose own stages 3-4 are then skipped),
+        else sums across tf.distribute replicas.
+        """
         if self._aggregate_gradients_fn is not None:
             return list(self._aggregate_gradients_fn(grads_and_vars))
+        inner = self._inner_optimizer
+        if _is_wrapper(inner):
+            return inner.aggregate_gradients(grads_and_vars)
         grads = backend_gradients.all_reduce_sum([g for g, _ in grads_and_vars])
         return list(zip(grads, [v for _, v in grads_and_vars]))
 
