@@ -6,6 +6,7 @@ Each symbol below names the Keras versions it was checked against; the test
 that moves one fails loudly in CI instead of in a user's training run.
 """
 
+import contextlib
 import functools
 
 # Checked against keras 3.10 - 3.15.
@@ -31,6 +32,7 @@ __all__ = [
     "set_keras_thread_policy",
     "stored_dtype",
     "variable_autocasts",
+    "without_autocast",
 ]
 
 
@@ -45,6 +47,22 @@ def variable_autocasts(variable):
     """Whether a Keras variable opted into autocasting (`autocast=True`)."""
     # Set from the `autocast` argument of `Variable.__init__` (keras 3.0-3.15).
     return variable._autocast
+
+
+@contextlib.contextmanager
+def without_autocast():
+    """Context manager in which variables read as their stored dtype.
+
+    `AutocastScope(None)` would also stop the casting, but under it
+    `Variable.dtype` answers `floatx()` instead of the stored dtype (keras
+    3.0 - 3.15), so the active scope is removed instead.
+    """
+    previous = get_autocast_scope()
+    global_state.set_global_attribute("autocast_scope", None)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("autocast_scope", previous)
 
 
 def set_keras_thread_policy(policy):

@@ -66,6 +66,20 @@ def _mark(variable):
     if keras.backend.is_float_dtype(dtype):
         variable.true_dtype = dtype
         variable._keras_mp_autocast = True
+        variable.assign_add = _at_stored_precision(variable.assign_add)
+        variable.assign_sub = _at_stored_precision(variable.assign_sub)
+
+
+def _at_stored_precision(update):
+    # Keras's assign_add reads the variable through the autocast scope, so
+    # inside a mixed layer's call the sum would be rounded to the compute
+    # dtype before it is stored.
+    @functools.wraps(update)
+    def update_at_stored_precision(value):
+        with _keras_internals.without_autocast():
+            return update(value)
+
+    return update_at_stored_precision
 
 
 def _install_add_weight_hook():
@@ -111,15 +125,18 @@ def enable_autocast(dtype):
         try:
             dtype = keras.backend.standardize_dtype(dtype)
         except ValueError:
-            dtype = None if dtype is None else repr(dtype)
             raise ValueError(
                 "`dtype` must be a float dtype name such as 'float16', or "
-                f"None. Received: dtype={dtype}"
+                f"None. Received: dtype={dtype!r}"
             ) from None
         if not keras.backend.is_float_dtype(dtype):
             raise ValueError(
                 "`dtype` must be a float dtype name such as 'float16', or "
                 f"None. Received: dtype={dtype!r}"
             )
-    with _keras_internals.AutocastScope(dtype):
-        yield
+    if dtype is None:
+        with _keras_internals.without_autocast():
+            yield
+    else:
+        with _keras_internals.AutocastScope(dtype):
+            yield

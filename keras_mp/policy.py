@@ -94,7 +94,7 @@ class Policy(keras.DTypePolicy):
                 "A Policy config takes only 'name' and 'loss_scale'. "
                 f"Received unknown keys: {sorted(unknown)}"
             )
-        return cls(config["name"], loss_scale=config.get("loss_scale"))
+        return cls(config["name"], loss_scale=config.get("loss_scale", "auto"))
 
     def __eq__(self, other):
         if type(other) is not type(self) or self.name != other.name:

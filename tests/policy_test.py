@@ -1,0 +1,477 @@
+"""Tests of keras_mp.policy: Policy, the global policy and policy_scope."""
+
+import threading
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+from keras_mp.backend import devices
+from keras_mp.testing import to_numpy
+
+_NON_DEFAULT_DYNAMIC = dict(
+    initial_loss_scale=2.0**9,
+    increment_period=11,
+    multiplier=4.0,
+    min_loss_scale=0.5,
+    max_loss_scale=2.0**24,
+)
+
+
+@pytest.fixture
+def hardware_checked(monkeypatch):
+    """Marks the hardware check as done, so it warns about nothing."""
+    monkeypatch.setattr(
+        devices, "_checked_policies", {"mixed_float16", "mixed_bfloat16"}
+    )
+
+
+def _in_thread(function):
+    results = {}
+
+    def target():
+        try:
+            results["value"] = function()
+        except BaseException as error:  # re-raised in the main thread
+            results["error"] = error
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if "error" in results:
+        raise results["error"]
+    return results["value"]
+
+
+class TestPolicy:
+    @pytest.mark.parametrize(
+        "name, compute_dtype, variable_dtype",
+        [
+            ("mixed_float16", "float16", "float32"),
+            ("mixed_bfloat16", "bfloat16", "float32"),
+            ("float32", "float32", "float32"),
+            ("float16", "float16", "float16"),
+            ("bfloat16", "bfloat16", "bfloat16"),
+            ("float64", "float64", "float64"),
+        ],
+    )
+    def test_names_give_compute_and_variable_dtypes(
+        self, name, compute_dtype, variable_dtype
+    ):
+        policy = keras_mp.Policy(name)
+        assert policy.name == name
+        assert policy.compute_dtype == compute_dtype
+        assert policy.variable_dtype == variable_dtype
+
+    def test_policy_is_a_keras_dtype_policy_that_layers_accept(self):
+        policy = keras_mp.Policy("mixed_bfloat16")
+        assert isinstance(policy, keras.DTypePolicy)
+        layer = keras.layers.Dense(2, dtype=policy)
+        assert layer.dtype_policy is policy
+        assert layer.compute_dtype == "bfloat16"
+        assert layer.variable_dtype == "float32"
+        outputs = layer(np.ones((1, 3), "float32"))
+        assert keras.backend.standardize_dtype(outputs.dtype) == "bfloat16"
+
+    def test_auto_loss_scale_is_dynamic_only_for_mixed_float16(self):
+        loss_scale = keras_mp.Policy("mixed_float16").loss_scale
+        assert isinstance(loss_scale, keras_mp.DynamicLossScale)
+        assert loss_scale.get_config() == (
+            keras_mp.DynamicLossScale().get_config()
+        )
+        for name in ("mixed_bfloat16", "float32", "float16", "bfloat16"):
+            assert keras_mp.Policy(name).loss_scale is None, name
+
+    def test_each_auto_policy_gets_its_own_loss_scale(self):
+        first = keras_mp.Policy("mixed_float16").loss_scale
+        second = keras_mp.Policy("mixed_float16").loss_scale
+        assert first is not second
+
+    def test_loss_scale_none_disables_scaling(self):
+        assert keras_mp.Policy("mixed_float16", loss_scale=None).loss_scale is (
+            None
+        )
+
+    def test_loss_scale_dynamic_name(self):
+        policy = keras_mp.Policy("mixed_bfloat16", loss_scale="dynamic")
+        assert isinstance(policy.loss_scale, keras_mp.DynamicLossScale)
+
+    def test_loss_scale_number_gives_fixed_scale(self):
+        policy = keras_mp.Policy("mixed_float16", loss_scale=1024)
+        assert isinstance(policy.loss_scale, keras_mp.FixedLossScale)
+        assert float(to_numpy(policy.loss_scale())) == 1024.0
+
+    def test_loss_scale_instance_is_kept(self):
+        scale = keras_mp.DynamicLossScale(**_NON_DEFAULT_DYNAMIC)
+        assert keras_mp.Policy("mixed_float16", scale).loss_scale is scale
+
+    def test_loss_scale_config_dict_is_deserialized(self):
+        scale = keras_mp.DynamicLossScale(**_NON_DEFAULT_DYNAMIC)
+        config = keras.saving.serialize_keras_object(scale)
+        policy = keras_mp.Policy("mixed_float16", loss_scale=config)
+        assert isinstance(policy.loss_scale, keras_mp.DynamicLossScale)
+        assert policy.loss_scale.get_config() == scale.get_config()
+
+    @pytest.mark.parametrize("loss_scale", ["static", {"a": 1}])
+    def test_bad_loss_scale_value_raises_value_error(self, loss_scale):
+        with pytest.raises(ValueError, match="Received: loss_scale="):
+            keras_mp.Policy("mixed_float16", loss_scale=loss_scale)
+
+    @pytest.mark.parametrize("loss_scale", [True, [8], object()])
+    def test_bad_loss_scale_type_raises_type_error(self, loss_scale):
+        with pytest.raises(TypeError, match="Received: loss_scale="):
+            keras_mp.Policy("mixed_float16", loss_scale=loss_scale)
+
+    def test_fixed_loss_scale_below_one_raises_value_error(self):
+        with pytest.raises(ValueError, match="at least 1"):
+            keras_mp.Policy("mixed_float16", loss_scale=0.5)
+
+    @pytest.mark.parametrize(
+        "attribute", ["name", "compute_dtype", "variable_dtype", "loss_scale"]
+    )
+    def test_properties_are_read_only(self, attribute):
+        policy = keras_mp.Policy("mixed_float16")
+        with pytest.raises(AttributeError):
+            setattr(policy, attribute, "float32")
+
+    @pytest.mark.parametrize(
+        "name", ["mixed_float32", "mixed_float", "float", "fp16", ""]
+    )
+    def test_bad_name_raises_value_error_listing_valid_names(self, name):
+        with pytest.raises(ValueError) as info:
+            keras_mp.Policy(name)
+        message = str(info.value)
+        for valid in ("'mixed_float16'", "'mixed_bfloat16'", "'float32'"):
+            assert valid in message
+        assert f"Received: name={name!r}" in message
+
+    def test_quantized_name_raises_value_error_naming_keras_api(self):
+        with pytest.raises(ValueError, match="quantiz") as info:
+            keras_mp.Policy("int8_from_float32")
+        assert "keras.dtype_policies.get" in str(info.value)
+        assert "Received: name='int8_from_float32'" in str(info.value)
+
+    @pytest.mark.parametrize("name", [16, None, keras.DTypePolicy("float32")])
+    def test_non_string_name_raises_type_error(self, name):
+        with pytest.raises(TypeError) as info:
+            keras_mp.Policy(name)
+        message = str(info.value)
+        assert "'mixed_float16'" in message
+        assert f"(of type {type(name).__name__})" in message
+
+    @pytest.mark.parametrize(
+        "loss_scale",
+        [
+            keras_mp.DynamicLossScale(**_NON_DEFAULT_DYNAMIC),
+            keras_mp.FixedLossScale(96),
+            None,
+        ],
+        ids=["dynamic", "fixed", "none"],
+    )
+    def test_config_round_trip_keeps_the_loss_scale(self, loss_scale):
+        policy = keras_mp.Policy("mixed_float16", loss_scale=loss_scale)
+        config = policy.get_config()
+        assert config["name"] == "mixed_float16"
+        restored = keras_mp.Policy.from_config(config)
+        assert restored == policy
+        if loss_scale is None:
+            assert restored.loss_scale is None
+        else:
+            assert type(restored.loss_scale) is type(loss_scale)
+            assert restored.loss_scale is not loss_scale
+            assert restored.loss_scale.get_config() == loss_scale.get_config()
+
+    def test_serialize_round_trip_uses_registered_name(self):
+        policy = keras_mp.Policy(
+            "mixed_bfloat16", keras_mp.DynamicLossScale(**_NON_DEFAULT_DYNAMIC)
+        )
+        serialized = keras.saving.serialize_keras_object(policy)
+        assert serialized["registered_name"] == "keras_mp>Policy"
+        restored = keras.saving.deserialize_keras_object(serialized)
+        assert isinstance(restored, keras_mp.Policy)
+        assert restored == policy
+        assert keras.dtype_policies.deserialize(serialized) == policy
+
+    @pytest.mark.parametrize(
+        "config",
+        [{"loss_scale": None}, "mixed_float16", {"name": "float32", "x": 1}],
+    )
+    def test_malformed_config_raises_value_error(self, config):
+        with pytest.raises(ValueError, match="Policy config"):
+            keras_mp.Policy.from_config(config)
+
+    def test_equality_compares_name_and_loss_scale(self):
+        assert keras_mp.Policy("mixed_float16") == keras_mp.Policy(
+            "mixed_float16"
+        )
+        assert keras_mp.Policy("mixed_float16", 8) != keras_mp.Policy(
+            "mixed_float16", 16
+        )
+        assert keras_mp.Policy("mixed_float16", None) != keras_mp.Policy(
+            "mixed_float16"
+        )
+        assert keras_mp.Policy("float32") != keras_mp.Policy("float64")
+        assert keras_mp.Policy("float32") != keras.DTypePolicy("float32")
+
+    def test_repr_shows_name_and_loss_scale(self):
+        text = repr(keras_mp.Policy("mixed_float16", loss_scale=64))
+        assert "mixed_float16" in text
+        assert "FixedLossScale" in text
+
+
+class TestLayerSerialization:
+    def _policy(self):
+        return keras_mp.Policy(
+            "mixed_float16", keras_mp.DynamicLossScale(**_NON_DEFAULT_DYNAMIC)
+        )
+
+    def _assert_same_policy(self, layer, policy):
+        assert isinstance(layer.dtype_policy, keras_mp.Policy)
+        assert layer.dtype_policy == policy
+        assert layer.dtype_policy.loss_scale.get_config() == (
+            policy.loss_scale.get_config()
+        )
+
+    def test_layer_serialize_deserialize_keeps_keras_mp_policy(self):
+        policy = self._policy()
+        layer = keras.layers.Dense(3, dtype=policy)
+        restored = keras.layers.deserialize(keras.layers.serialize(layer))
+        self._assert_same_policy(restored, policy)
+        assert restored.compute_dtype == "float16"
+
+    def test_layer_from_config_keeps_keras_mp_policy(self):
+        policy = keras_mp.Policy("mixed_bfloat16", loss_scale=32)
+        layer = keras.layers.Dense(3, dtype=policy)
+        restored = keras.layers.Dense.from_config(layer.get_config())
+        assert restored.dtype_policy == policy
+
+    def test_keras_dtype_policy_layers_still_reload_as_keras_policies(self):
+        layer = keras.layers.Dense(3, dtype="mixed_bfloat16")
+        restored = keras.layers.deserialize(keras.layers.serialize(layer))
+        assert not isinstance(restored.dtype_policy, keras_mp.Policy)
+        assert restored.dtype_policy.name == "mixed_bfloat16"
+
+    @pytest.mark.parametrize("kind", ["sequential", "functional"])
+    def test_saved_model_reloads_layers_with_their_policy(self, kind, tmp_path):
+        policy = self._policy()
+        if kind == "sequential":
+            model = keras.Sequential(
+                [keras.Input((3,)), keras.layers.Dense(2, dtype=policy)]
+            )
+        else:
+            inputs = keras.Input((3,))
+            outputs = keras.layers.Dense(2, dtype=policy)(inputs)
+            model = keras.Model(inputs, outputs)
+        path = str(tmp_path / "model.keras")
+        model.save(path)
+        with keras_mp.policy_scope("float64"):
+            restored = keras.models.load_model(path)
+        dense = restored.layers[-1]
+        self._assert_same_policy(dense, policy)
+        assert isinstance(dense.kernel, keras_mp.AutoCastVariable)
+        np.testing.assert_array_equal(
+            to_numpy(dense.kernel), to_numpy(model.layers[-1].kernel)
+        )
+
+
+class TestGlobalPolicy:
+    def test_unset_global_policy_tracks_floatx_on_every_call(self):
+        policy = keras_mp.global_policy()
+        assert isinstance(policy, keras_mp.Policy)
+        assert policy.name == "float32"
+        keras.config.set_floatx("float64")
+        assert keras_mp.global_policy().name == "float64"
+        assert keras.layers.Dense(2).compute_dtype == "float64"
+        keras.config.set_floatx("float16")
+        assert keras_mp.global_policy().name == "float16"
+        assert keras.config.dtype_policy().name == "float16"
+
+    def test_set_global_policy_stops_tracking_floatx(self, hardware_checked):
+        keras_mp.set_global_policy("mixed_bfloat16")
+        keras.config.set_floatx("float64")
+        assert keras_mp.global_policy().name == "mixed_bfloat16"
+        assert keras.layers.Dense(2).compute_dtype == "bfloat16"
+
+    def test_set_global_policy_none_returns_to_tracking_floatx(
+        self, hardware_checked
+    ):
+        keras_mp.set_global_policy("mixed_bfloat16")
+        keras_mp.set_global_policy(None)
+        assert keras_mp.global_policy().name == "float32"
+        # Asking Keras must not pin the policy it answers.
+        assert keras.config.dtype_policy().name == "float32"
+        keras.config.set_floatx("float64")
+        assert keras_mp.global_policy().name == "float64"
+        assert keras.layers.Dense(2).compute_dtype == "float64"
+
+    def test_global_policy_becomes_keras_global_dtype_policy(
+        self, hardware_checked
+    ):
+        keras_mp.set_global_policy("mixed_float16")
+        assert keras.config.dtype_policy().name == "mixed_float16"
+        for layer in (
+            keras.layers.Dense(2),
+            keras.layers.Conv2D(2, 3),
+            keras.layers.Embedding(4, 2),
+        ):
+            assert layer.compute_dtype == "float16"
+            assert layer.variable_dtype == "float32"
+            assert layer.dtype_policy is keras_mp.global_policy()
+
+    def test_policy_object_is_kept_with_its_loss_scale(self, hardware_checked):
+        policy = keras_mp.Policy("mixed_float16", loss_scale=512)
+        keras_mp.set_global_policy(policy)
+        assert keras_mp.global_policy() is policy
+        assert keras.layers.Dense(2).dtype_policy.loss_scale is (
+            policy.loss_scale
+        )
+
+    def test_name_gives_policy_with_auto_loss_scale(self, hardware_checked):
+        keras_mp.set_global_policy("mixed_float16")
+        policy = keras_mp.global_policy()
+        assert isinstance(policy, keras_mp.Policy)
+        assert isinstance(policy.loss_scale, keras_mp.DynamicLossScale)
+
+    def test_keras_dtype_policy_is_accepted(self, hardware_checked):
+        keras_mp.set_global_policy(keras.DTypePolicy("mixed_bfloat16"))
+        policy = keras_mp.global_policy()
+        assert isinstance(policy, keras_mp.Policy)
+        assert policy.name == "mixed_bfloat16"
+        assert keras.layers.Dense(2).compute_dtype == "bfloat16"
+
+    @pytest.mark.parametrize(
+        "policy", ["int32", "uint8", "bool", keras.DTypePolicy("int32")]
+    )
+    def test_non_float_global_policy_raises_value_error(self, policy):
+        with pytest.raises(ValueError, match="floating-point") as info:
+            keras_mp.set_global_policy(policy)
+        assert "Received: policy=" in str(info.value)
+        assert keras_mp.global_policy().name == "float32"
+
+    def test_quantized_global_policy_raises_value_error(self):
+        quantized = keras.dtype_policies.get("int8_from_float32")
+        with pytest.raises(ValueError, match="quantized"):
+            keras_mp.set_global_policy(quantized)
+
+    @pytest.mark.parametrize("policy", [16, 1.5, object(), ["float32"]])
+    def test_wrong_type_raises_type_error_naming_expected(self, policy):
+        with pytest.raises(TypeError) as info:
+            keras_mp.set_global_policy(policy)
+        message = str(info.value)
+        assert "keras_mp.Policy" in message
+        assert "keras.DTypePolicy" in message
+        assert f"(of type {type(policy).__name__})" in message
+
+    def test_unknown_name_raises_value_error_and_keeps_policy(
+        self, hardware_checked
+    ):
+        keras_mp.set_global_policy("mixed_bfloat16")
+        with pytest.raises(ValueError, match="Received: name='mixed_flaot16'"):
+            keras_mp.set_global_policy("mixed_flaot16")
+        assert keras_mp.global_policy().name == "mixed_bfloat16"
+
+    @pytest.mark.parametrize("name", ["float16", "bfloat16"])
+    def test_low_precision_global_policy_warns_and_names_mixed(self, name):
+        with pytest.warns(UserWarning, match=f"'mixed_{name}'"):
+            keras_mp.set_global_policy(name)
+        assert keras_mp.global_policy().name == name
+
+    @pytest.mark.parametrize(
+        "name", ["mixed_float16", "mixed_bfloat16", "float32", "float64"]
+    )
+    def test_other_global_policies_do_not_warn(self, name, hardware_checked):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            keras_mp.set_global_policy(name)
+
+    def test_mixed_global_policy_runs_the_hardware_check(self, monkeypatch):
+        checked = []
+        monkeypatch.setattr(devices, "check_hardware_once", checked.append)
+        keras_mp.set_global_policy("float32")
+        keras_mp.set_global_policy("mixed_bfloat16")
+        keras_mp.set_global_policy(keras_mp.Policy("mixed_float16"))
+        assert checked == ["mixed_bfloat16", "mixed_float16"]
+
+
+class TestGlobalPolicyAcrossThreads:
+    def test_layer_built_in_worker_thread_sees_the_policy(
+        self, hardware_checked
+    ):
+        keras_mp.set_global_policy("mixed_bfloat16")
+
+        def build():
+            layer = keras.layers.Dense(2)
+            layer.build((None, 3))
+            return layer
+
+        layer = _in_thread(build)
+        assert layer.compute_dtype == "bfloat16"
+        assert isinstance(layer.kernel, keras_mp.AutoCastVariable)
+        assert _in_thread(lambda: keras_mp.global_policy().name) == (
+            "mixed_bfloat16"
+        )
+
+    def test_keras_query_in_worker_does_not_hide_the_policy(
+        self, hardware_checked
+    ):
+        keras_mp.set_global_policy("mixed_bfloat16")
+
+        def query_then_build():
+            queried = keras.config.dtype_policy().name
+            return queried, keras.layers.Dense(2).compute_dtype
+
+        assert _in_thread(query_then_build) == ("mixed_bfloat16", "bfloat16")
+
+    def test_policy_set_in_worker_thread_applies_to_main_thread(
+        self, hardware_checked
+    ):
+        keras_mp.set_global_policy("mixed_bfloat16")
+        _in_thread(lambda: keras_mp.set_global_policy("float64"))
+        assert keras_mp.global_policy().name == "float64"
+        assert keras.layers.Dense(2).compute_dtype == "float64"
+        assert keras.config.dtype_policy().name == "float64"
+
+    def test_policy_scope_in_main_thread_is_seen_by_worker(self):
+        with keras_mp.policy_scope("float64"):
+            assert _in_thread(lambda: keras.layers.Dense(2).compute_dtype) == (
+                "float64"
+            )
+        assert _in_thread(lambda: keras.layers.Dense(2).compute_dtype) == (
+            "float32"
+        )
+
+
+class TestPolicyScope:
+    def test_scope_sets_and_restores_unset_policy(self):
+        with keras_mp.policy_scope("float64"):
+            assert keras_mp.global_policy().name == "float64"
+            assert keras.layers.Dense(1).compute_dtype == "float64"
+        assert keras_mp.global_policy().name == "float32"
+        keras.config.set_floatx("float16")
+        # Restored to "unset", so it tracks floatx again.
+        assert keras_mp.global_policy().name == "float16"
+
+    def test_scopes_nest_and_restore_the_previous_policy_object(
+        self, hardware_checked
+    ):
+        outer = keras_mp.Policy("mixed_float16", loss_scale=8)
+        keras_mp.set_global_policy(outer)
+        with keras_mp.policy_scope("mixed_bfloat16"):
+            with keras_mp.policy_scope(keras.DTypePolicy("float64")):
+                assert keras_mp.global_policy().name == "float64"
+            assert keras_mp.global_policy().name == "mixed_bfloat16"
+        assert keras_mp.global_policy() is outer
+        assert keras.layers.Dense(1).dtype_policy is outer
+
+    def test_scope_restores_after_an_exception(self):
+        with pytest.raises(RuntimeError), keras_mp.policy_scope("float64"):
+            raise RuntimeError("inside the scope")
+        assert keras_mp.global_policy().name == "float32"
+        assert keras.layers.Dense(1).compute_dtype == "float32"
+
+    def test_invalid_policy_in_scope_raises_and_changes_nothing(self):
+        with pytest.raises(ValueError), keras_mp.policy_scope("int32"):
+            pass
+        assert keras_mp.global_policy().name == "float32"

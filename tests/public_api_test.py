@@ -1,0 +1,154 @@
+"""Tests of the public API surface: names, registration, version, doctests."""
+
+import doctest
+import inspect
+import pathlib
+import re
+import types
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+from keras_mp.backend import devices
+
+# Abstract bases: they declare get_config for subclasses and are never
+# serialized themselves (checked below: their get_config raises).
+_ABSTRACT_BASES = {"LossScale"}
+
+
+def _public_modules():
+    return [
+        value
+        for value in vars(keras_mp).values()
+        if isinstance(value, types.ModuleType)
+        and value.__name__.split(".")[-1] in keras_mp.__all__
+    ]
+
+
+def _exported():
+    """(qualified name, object) of everything exported, subpackages included."""
+    exported = [
+        (f"keras_mp.{n}", getattr(keras_mp, n)) for n in keras_mp.__all__
+    ]
+    for module in _public_modules():
+        for name in getattr(module, "__all__", []):
+            exported.append(
+                (f"{module.__name__}.{name}", getattr(module, name))
+            )
+    return exported
+
+
+def _exported_classes():
+    seen = {}
+    for qualified, value in _exported():
+        if inspect.isclass(value):
+            seen.setdefault(value, qualified)
+    return [(qualified, cls) for cls, qualified in seen.items()]
+
+
+def test_every_name_in_all_exists_once():
+    assert len(set(keras_mp.__all__)) == len(keras_mp.__all__)
+    for name in keras_mp.__all__:
+        assert hasattr(keras_mp, name), name
+
+
+def test_every_name_in_public_subpackages_exists():
+    for module in _public_modules():
+        names = getattr(module, "__all__", [])
+        assert len(set(names)) == len(names), module.__name__
+        for name in names:
+            assert hasattr(module, name), f"{module.__name__}.{name}"
+
+
+def test_every_public_non_module_attribute_is_in_all():
+    public = {
+        name
+        for name, value in vars(keras_mp).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
+    assert public <= set(keras_mp.__all__)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "Policy",
+        "set_global_policy",
+        "global_policy",
+        "policy_scope",
+        "AutoCastVariable",
+        "enable_autocast",
+        "LossScale",
+        "FixedLossScale",
+        "DynamicLossScale",
+    ],
+)
+def test_design_contract_names_are_exported(name):
+    assert name in keras_mp.__all__
+
+
+def test_every_exported_class_with_get_config_is_registered():
+    checked = []
+    for qualified, cls in _exported_classes():
+        if not hasattr(cls, "get_config") or cls.__name__ in _ABSTRACT_BASES:
+            continue
+        expected = f"keras_mp>{cls.__name__}"
+        assert keras.saving.get_registered_name(cls) == expected, qualified
+        assert keras.saving.get_registered_object(expected) is cls, qualified
+        checked.append(cls.__name__)
+    assert {"Policy", "FixedLossScale", "DynamicLossScale"} <= set(checked)
+
+
+def test_abstract_bases_are_exported_and_not_serializable():
+    exported = {cls.__name__: cls for _, cls in _exported_classes()}
+    for name in _ABSTRACT_BASES:
+        with pytest.raises(NotImplementedError):
+            exported[name]().get_config()
+
+
+def test_version_is_a_release_string_matching_pyproject():
+    assert isinstance(keras_mp.__version__, str)
+    assert re.fullmatch(r"\d+\.\d+\.\d+(\.dev\d+|rc\d+)?", keras_mp.__version__)
+    pyproject = pathlib.Path(keras_mp.__file__).parents[1] / "pyproject.toml"
+    if pyproject.exists():
+        match = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M)
+        assert match.group(1) == keras_mp.__version__
+
+
+def test_exported_objects_have_docstrings():
+    for qualified, value in _exported():
+        if isinstance(value, types.ModuleType):
+            continue
+        assert inspect.getdoc(value), qualified
+
+
+def _docstring_examples():
+    finder = doctest.DocTestFinder(recurse=False)
+    modules = {"keras_mp.policy", "keras_mp.loss_scale", "keras_mp.autocast"}
+    examples = []
+    for qualified, value in _exported():
+        if getattr(value, "__module__", None) not in modules:
+            continue
+        for test in finder.find(value, qualified):
+            if test.examples:
+                examples.append(test)
+    return examples
+
+
+@pytest.mark.parametrize(
+    "test", _docstring_examples(), ids=lambda test: test.name
+)
+def test_docstring_example_runs(test, monkeypatch):
+    # The examples must pass on any hardware, warnings or not.
+    monkeypatch.setattr(
+        devices, "_checked_policies", {"mixed_float16", "mixed_bfloat16"}
+    )
+    test.globs.update(keras=keras, keras_mp=keras_mp, np=np)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner.run(test)
+    assert runner.failures == 0, test.name
