@@ -185,11 +185,11 @@ def test_float32_adam_state_loads_into_the_mixed_wrapper_and_back(tmp_path):
 
 def test_float16_gradients_that_flush_to_zero_train_with_loss_scaling():
     # Targets and inputs are tiny, so the float16 gradient of the kernel
-    # (about 1e-9) is below float16's smallest subnormal (6e-8) unless the
-    # loss is scaled first.
+    # (16 products of about 1.25e-9, 2e-8 in all) rounds to zero below
+    # float16's smallest subnormal (6e-8) unless the loss is scaled first.
     keras_mp.set_global_policy("mixed_float16")
-    x = np.full((16, 2), 1e-3, "float32")
-    y = np.full((16, 1), 1e-3, "float32")
+    x = np.full((16, 2), 1e-4, "float32")
+    y = np.full((16, 1), 1e-4, "float32")
 
     def run(optimizer):
         keras.utils.set_random_seed(0)
