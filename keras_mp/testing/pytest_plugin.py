@@ -13,6 +13,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import keras_mp  # noqa: E402
+from keras_mp import losses as losses_module  # noqa: E402
 from keras_mp import policy as policy_module  # noqa: E402
 
 
@@ -36,6 +37,7 @@ def pytest_collection_modifyitems(config, items):
 def reset_global_state():
     """Each test starts with no global policy, float32 floatx, fresh names."""
     policy_module._set_global_policy_unchecked(None)
+    losses_module._warned_loss_classes.clear()
     keras.config.set_floatx("float32")
     keras.utils.clear_session()
     yield
