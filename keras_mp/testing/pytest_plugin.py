@@ -39,7 +39,8 @@ def reset_global_state():
     policy_module._set_global_policy_unchecked(None)
     losses_module._warned_loss_classes.clear()
     keras.config.set_floatx("float32")
-    keras.utils.clear_session()
+    # free_memory=False: the default gc.collect() costs 0.2-0.3 s per test.
+    keras.utils.clear_session(free_memory=False)
     yield
     policy_module._set_global_policy_unchecked(None)
     keras.config.set_floatx("float32")
