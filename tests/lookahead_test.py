@@ -80,3 +80,34 @@ def test_lookahead_rejects_bad_arguments():
         keras_mp.optimizers.Lookahead(keras.optimizers.SGD(), sync_period=0)
     with pytest.raises(TypeError, match="sync_period"):
         keras_mp.optimizers.Lookahead(keras.optimizers.SGD(), sync_period=2.5)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_lookahead_in_fit_matches_the_reference_with_and_without_xla(
+    jit_compile,
+):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 3)).astype("float32")
+    y = rng.normal(size=(8, 1)).astype("float32")
+    model = keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(1, use_bias=False, kernel_initializer="ones"),
+        ]
+    )
+    optimizer = keras_mp.optimizers.Lookahead(
+        keras.optimizers.SGD(0.1), sync_period=2, slow_step_size=0.5
+    )
+    model.compile(optimizer, "mse", jit_compile=jit_compile)
+    model.fit(x, y, batch_size=8, epochs=5, verbose=0, shuffle=False)
+    expected = _reference_lookahead(
+        np.ones((3, 1)),
+        lambda w: 2 * x.T @ (x @ w - y) / 8,
+        lr=0.1,
+        k=2,
+        alpha=0.5,
+        steps=5,
+    )
+    np.testing.assert_allclose(
+        to_numpy(model.layers[0].kernel), expected, rtol=1e-5, atol=1e-6
+    )

@@ -46,18 +46,26 @@ class Lookahead(OptimizerWrapper):
         self.slow_step_size = float(slow_step_size)
 
     def build_wrapper(self, var_list):
-        self._slow_weights = []
-        for variable in var_list:
-            slow = self.add_variable_from_reference(variable, name="slow")
-            # A copy: on JAX, sharing the buffer breaks buffer donation in fit.
-            slow.assign(ops.copy(variable.value))
-            self._slow_weights.append(slow)
+        # Filled from the model's weights at the first update, not here:
+        # `build` may run inside a traced step (TF with XLA) where reading
+        # model weights into a new variable's initializer cannot be lifted.
+        self._slow_weights = [
+            self.add_variable_from_reference(v, name="slow") for v in var_list
+        ]
+        self._slow_ready = self.add_variable(
+            shape=(), dtype="int32", name="slow_ready"
+        )
 
     def apply_updates(self, grads_and_vars):
+        variables = list({id(v): v for _, v in grads_and_vars}.values())
+        slows = [self._slow_weights[self._get_variable_index(v)] for v in variables]
+        ready = ops.equal(self._slow_ready.value, 1)
+        for variable, slow in zip(variables, slows):
+            slow.assign(ops.where(ready, slow.value, variable.value))
+        self._slow_ready.assign(1)
         super().apply_updates(grads_and_vars)
         sync = ops.equal(ops.mod(self.iterations, self.sync_period), 0)
-        for variable in {id(v): v for _, v in grads_and_vars}.values():
-            slow = self._slow_weights[self._get_variable_index(variable)]
+        for variable, slow in zip(variables, slows):
             fast_value, slow_value = variable.value, slow.value
             moved = slow_value + self.slow_step_size * (fast_value - slow_value)
             slow.assign(ops.where(sync, moved, slow_value))
