@@ -77,7 +77,9 @@ class LossScale:
         return cls(**config)
 
     def __repr__(self):
-        arguments = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        arguments = ", ".join(
+            f"{k}={v!r}" for k, v in self.get_config().items()
+        )
         return f"{type(self).__name__}({arguments})"
 
 
@@ -271,7 +273,9 @@ class DynamicLossScale(LossScale):
             can_grow = ops.logical_and(
                 can_grow, ops.less_equal(grown, self.max_loss_scale)
             )
-        scale_if_finite = ops.where(ops.logical_and(grow, can_grow), grown, scale)
+        scale_if_finite = ops.where(
+            ops.logical_and(grow, can_grow), grown, scale
+        )
         good_if_finite = ops.where(grow, ops.zeros_like(good_steps), good_steps)
         scale_if_not = ops.maximum(scale / self.multiplier, self.min_loss_scale)
 

@@ -71,7 +71,9 @@ def test_nonfinite_step_is_skipped_bit_for_bit_and_halves_the_scale(poison):
     _apply(optimizer, _grads(1024.0, poison=poison), variables)
     for variable, value in zip(variables, before_vars):
         assert_bitwise_equal(variable, value)
-    for variable, value in zip(optimizer.inner_optimizer.variables, inner_before):
+    for variable, value in zip(
+        optimizer.inner_optimizer.variables, inner_before
+    ):
         assert_bitwise_equal(variable, value, msg=variable.path)
     assert float(to_numpy(optimizer.loss_scale())) == 512.0
     assert int(to_numpy(optimizer.loss_scale.num_good_steps)) == 0
@@ -176,7 +178,8 @@ def test_minimize_with_a_tape_in_tf_function():
     import tensorflow as tf
 
     optimizer = keras_mp.LossScaleOptimizer(
-        keras.optimizers.SGD(0.25), loss_scale=keras_mp.DynamicLossScale(2.0**20)
+        keras.optimizers.SGD(0.25),
+        loss_scale=keras_mp.DynamicLossScale(2.0**20),
     )
     w = keras.Variable([1.0, -2.0])
 
@@ -287,6 +290,4 @@ def test_float16_gradients_for_float32_variables_name_the_variable():
     optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
     variable = keras.Variable([1.0, 2.0], name="kernel_x")
     with pytest.raises(ValueError, match="kernel_x.*float16"):
-        optimizer.apply_gradients(
-            [(ops.ones((2,), dtype="float16"), variable)]
-        )
+        optimizer.apply_gradients([(ops.ones((2,), dtype="float16"), variable)])

@@ -31,7 +31,9 @@ def _sequential():
 def _functional():
     inputs = keras.Input((4,))
     hidden = keras.layers.Dense(8, activation="relu")(inputs)
-    outputs = keras.layers.Dense(2, activation="softmax", dtype="float32")(hidden)
+    outputs = keras.layers.Dense(2, activation="softmax", dtype="float32")(
+        hidden
+    )
     return keras.Model(inputs, outputs)
 
 
@@ -79,7 +81,9 @@ def test_compile_respects_auto_scale_loss_false_and_wrapped_optimizers():
 
 
 def test_policy_without_loss_scale_is_not_wrapped_even_for_float16():
-    keras_mp.set_global_policy(keras_mp.Policy("mixed_float16", loss_scale=None))
+    keras_mp.set_global_policy(
+        keras_mp.Policy("mixed_float16", loss_scale=None)
+    )
     model = _sequential()
     model.compile("sgd", "mse")
     assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
@@ -108,7 +112,9 @@ def test_saved_model_keeps_wrapper_scale_and_counters_and_continues_exactly(
     keras.utils.set_random_seed(1)
     x, y = _data()
     model = _sequential()
-    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+    model.compile(
+        keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy"
+    )
     _train(model, x, y)
     path = str(tmp_path / "model.keras")
     model.save(path)
@@ -116,7 +122,10 @@ def test_saved_model_keeps_wrapper_scale_and_counters_and_continues_exactly(
     restored = keras.saving.load_model(path)
     optimizer = restored.optimizer
     assert type(optimizer) is keras_mp.LossScaleOptimizer
-    assert optimizer.loss_scale.get_config() == model.optimizer.loss_scale.get_config()
+    assert (
+        optimizer.loss_scale.get_config()
+        == model.optimizer.loss_scale.get_config()
+    )
     for a, b in zip(model.optimizer.variables, optimizer.variables):
         assert_bitwise_equal(b, a, msg=a.path)
     _train(model, x, y)
@@ -150,7 +159,9 @@ def test_float32_adam_state_loads_into_the_mixed_wrapper_and_back(tmp_path):
     x, y = _data()
     keras.utils.set_random_seed(2)
     plain = _sequential()
-    plain.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+    plain.compile(
+        keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy"
+    )
     _train(plain, x, y)
     plain_path = str(tmp_path / "plain.weights.h5")
     plain.save_weights(plain_path)

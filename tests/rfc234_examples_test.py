@@ -40,7 +40,9 @@ def test_rfc_clipping_example_clips_every_gradient_to_unit_norm():
             keras.optimizers.SGD(1.0), transform_gradients=[_clip_by_norm]
         )
     )
-    by_subclass = _fit_kernel_delta(ClippingOptimizer(keras.optimizers.SGD(1.0)))
+    by_subclass = _fit_kernel_delta(
+        ClippingOptimizer(keras.optimizers.SGD(1.0))
+    )
     by_keras = _fit_kernel_delta(keras.optimizers.SGD(1.0, clipnorm=1.0))
     np.testing.assert_allclose(np.linalg.norm(by_argument), 1.0, rtol=1e-5)
     np.testing.assert_allclose(by_argument, by_keras, rtol=1e-5)
@@ -72,7 +74,9 @@ class HorovodOptimizer(keras_mp.OptimizerWrapper):
 def test_rfc_horovod_example_aggregates_through_the_override_in_fit():
     hvd = FakeHorovod()
     plain = _fit_kernel_delta(keras.optimizers.SGD(1e-3))
-    averaged = _fit_kernel_delta(HorovodOptimizer(keras.optimizers.SGD(1e-3), hvd))
+    averaged = _fit_kernel_delta(
+        HorovodOptimizer(keras.optimizers.SGD(1e-3), hvd)
+    )
     np.testing.assert_allclose(averaged, plain / 2.0, rtol=1e-5)
     # Traced once per compiled function, not called per replica or per step.
     assert hvd.calls >= 1

@@ -34,7 +34,9 @@ class Lookahead(OptimizerWrapper):
 
     def __init__(self, optimizer, sync_period=5, slow_step_size=0.5, **kwargs):
         if isinstance(sync_period, bool) or not isinstance(sync_period, int):
-            raise TypeError(f"`sync_period` must be an int. Received: {sync_period!r}")
+            raise TypeError(
+                f"`sync_period` must be an int. Received: {sync_period!r}"
+            )
         if sync_period < 1 or not 0.0 < slow_step_size <= 1.0:
             raise ValueError(
                 "Expected sync_period >= 1 and 0 < slow_step_size <= 1. "
@@ -58,7 +60,9 @@ class Lookahead(OptimizerWrapper):
 
     def apply_updates(self, grads_and_vars):
         variables = list({id(v): v for _, v in grads_and_vars}.values())
-        slows = [self._slow_weights[self._get_variable_index(v)] for v in variables]
+        slows = [
+            self._slow_weights[self._get_variable_index(v)] for v in variables
+        ]
         ready = ops.equal(self._slow_ready.value, 1)
         for variable, slow in zip(variables, slows):
             slow.assign(ops.where(ready, slow.value, variable.value))

@@ -15,7 +15,12 @@ __all__ = [
     "to_numpy",
 ]
 
-_TOLERANCES = {"float16": 1e-2, "bfloat16": 4e-2, "float32": 1e-5, "float64": 1e-9}
+_TOLERANCES = {
+    "float16": 1e-2,
+    "bfloat16": 4e-2,
+    "float32": 1e-5,
+    "float64": 1e-9,
+}
 
 
 def to_numpy(value):
