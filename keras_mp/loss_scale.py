@@ -257,7 +257,9 @@ class DynamicLossScale(LossScale):
     def __call__(self):
         if not self.built:
             return ops.convert_to_tensor(self.initial_loss_scale, "float32")
-        return ops.convert_to_tensor(self._loss_scale.value, "float32")
+        # A copy: under tf.distribute `value` is a MirroredVariable, which
+        # `convert_to_tensor` would pass through.
+        return ops.copy(self._loss_scale.value)
 
     def update(self, is_finite):
         self.build()

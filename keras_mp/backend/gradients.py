@@ -1,5 +1,8 @@
 """Gradients and cross-replica aggregation: what `keras.ops` cannot express."""
 
+import collections
+import threading
+
 import keras
 
 
@@ -116,11 +119,70 @@ def apply_aggregated(optimizer, grads, variables):
         return
     # `_all_reduce_sum_gradients` is the TensorFlow optimizer's hook for this
     # sum (keras 3.0 - 3.15); an instance attribute shadows it for one call.
-    optimizer._all_reduce_sum_gradients = lambda grads_and_vars: grads_and_vars
+    # MirroredStrategy runs its replicas in threads that interleave at each
+    # `merge_call`: a replica may leave `apply` while another is still inside
+    # it, so the shadow counts its users and the last one removes it.
+    with _shadow_lock:
+        if not _shadow_users[id(optimizer)]:
+            optimizer._all_reduce_sum_gradients = _already_aggregated
+        _shadow_users[id(optimizer)] += 1
     try:
         optimizer.apply(grads, variables)
     finally:
-        del optimizer._all_reduce_sum_gradients
+        with _shadow_lock:
+            _shadow_users[id(optimizer)] -= 1
+            if not _shadow_users[id(optimizer)]:
+                del _shadow_users[id(optimizer)]
+                del optimizer._all_reduce_sum_gradients
+
+
+def _already_aggregated(grads_and_vars):
+    return grads_and_vars
+
+
+# Per optimizer id: the replica threads inside `apply_aggregated`.
+_shadow_users = collections.Counter()
+_shadow_lock = threading.Lock()
+
+
+def cond_update(condition, update, grads_and_vars):
+    """Runs `update(grads_and_vars)` only where the bool `condition` holds.
+
+    TensorFlow only. `condition` must be the same on every replica (it is
+    computed from aggregated gradients). In a tf.distribute replica context
+    a `tf.cond` branch cannot contain a `merge_call`, and a Keras optimizer's
+    update makes one: always to increment its "only_first_replica"
+    `iterations` (TensorFlow broadcasts such assignments through a
+    `merge_call` even where the strategy otherwise avoids them, as under XLA
+    on GPUs, keras-team/keras#21366), and to update mirrored variables where
+    the strategy synchronizes with `merge_call`. So in a replica context the
+    cond runs in cross-replica context, and each replica runs `update` with
+    its own `grads_and_vars` inside the taken branch.
+    """
+    import tensorflow as tf
+
+    if (
+        not tf.distribute.has_strategy()
+        or tf.distribute.in_cross_replica_context()
+    ):
+        tf.cond(condition, lambda: update(grads_and_vars), lambda: None)
+        return
+
+    def cross_replica(strategy, condition, grads_and_vars):
+        # Every replica computed the same condition; the first local one
+        # decides, as the "only_first_replica" loss scale variables do.
+        condition = strategy.experimental_local_results(condition)[0]
+
+        def apply():
+            strategy.extended.call_for_each_replica(
+                update, args=(grads_and_vars,)
+            )
+
+        tf.cond(condition, apply, lambda: None)
+
+    tf.distribute.get_replica_context().merge_call(
+        cross_replica, args=(condition, grads_and_vars)
+    )
 
 
 def gradient_values(grad):

@@ -478,7 +478,17 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             self.apply_updates(self.transform_gradients(grads_and_vars))
 
         if keras.backend.backend() == "tensorflow":
-            ops.cond(condition, step, lambda: None)
+            # The update's inputs go in as an argument, not in a closure:
+            # under tf.distribute the condition is taken in cross-replica
+            # context, and each replica's update then runs with that
+            # replica's gradients (see `cond_update`).
+            backend_gradients.cond_update(
+                condition,
+                lambda grads_and_vars: self.apply_updates(
+                    self.transform_gradients(grads_and_vars)
+                ),
+                grads_and_vars,
+            )
             return
         targets = _unique(variables + self.variables)
         current = [t.value for t in targets]

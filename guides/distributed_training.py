@@ -1,0 +1,426 @@
+"""Guide: loss-scaled training on several devices.
+
+Data parallelism runs the same step on several devices, each on its share
+of the global batch, and sums the gradients across them before the update.
+With a dynamic loss scale that sum has to come first: one device's overflow
+must make *every* device skip the step and lower the scale, or the copies of
+the model drift apart. keras_mp's `LossScaleOptimizer` sums the gradients
+once, in its `aggregate_gradients` stage, then checks them, unscales them,
+clips or otherwise transforms them, and applies them: every replica sees the
+same summed gradients and takes the same decision. The loop (or `fit`) does
+not change; the strategy or distribution comes from TensorFlow or Keras.
+The section that runs is chosen by the backend:
+
+- TensorFlow: `tf.distribute.MirroredStrategy` (the devices of one
+  machine) with `fit` and with a custom loop under `strategy.run`, then
+  `tf.distribute.MultiWorkerMirroredStrategy` with two worker processes on
+  this machine, each started with its own `TF_CONFIG`.
+- JAX: `keras.distribution.DataParallel` (the batch split across devices),
+  then `keras.distribution.ModelParallel` (a Dense kernel split across
+  devices), both with `fit`.
+
+On a machine without accelerators the CPU is split into two devices, so
+every section runs anywhere. Each ends with one batch that is NaN on one
+device only, and shows that every device skipped it.
+
+    python guides/distributed_training.py            # TensorFlow section
+    KERAS_BACKEND=jax python guides/distributed_training.py
+    python guides/distributed_training.py --quick    # a few steps (CI)
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import warnings
+
+# Device counts are fixed when a backend starts. For JAX, ask for two host
+# devices before Keras imports it (GPUs and TPUs, where present, are used
+# instead: the flag only splits the CPU).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_mp  # noqa: E402
+
+GLOBAL_BATCH_SIZE = 32
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        default=os.environ.get("KERAS_MP_QUICK") == "1",
+        help="a few steps only, for CI (also KERAS_MP_QUICK=1)",
+    )
+    parser.add_argument(
+        "--worker",
+        type=int,
+        default=None,
+        help="run as this MultiWorkerMirroredStrategy worker (set by the "
+        "guide itself when it starts its workers)",
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps = 4
+    return args
+
+
+# ## What every section shares
+#
+# A mixed_float16 policy (float16 math, float32 weights), a small regression
+# model with float32 outputs, and synthetic data. The policy is set before
+# the model is built; on a CPU the hardware check warns that float16 is slow
+# there, which does not matter for a guide.
+
+
+def set_policy():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Mixed precision compatibility")
+        keras_mp.set_global_policy("mixed_float16")
+
+
+def make_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(64, activation="relu", name="hidden"),
+            keras.layers.Dense(1, name="head"),
+            keras.layers.Activation("linear", dtype="float32"),
+        ]
+    )
+
+
+def make_data(steps):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(steps * GLOBAL_BATCH_SIZE, 16)).astype("float32")
+    y = (x[:, :4].sum(axis=1, keepdims=True) + 0.1).astype("float32")
+    return x, y
+
+
+def to_float(value):
+    return float(keras.ops.convert_to_numpy(value))
+
+
+def report(name, optimizer, loss):
+    print(
+        f"  {name}: loss {loss:.4f}, loss scale "
+        f"{to_float(optimizer.loss_scale.loss_scale)}, applied steps "
+        f"{int(to_float(optimizer.iterations))}, skipped steps "
+        f"{int(to_float(optimizer.skipped_steps))}"
+    )
+
+
+# ## TensorFlow: MirroredStrategy
+#
+# Everything that creates variables (the model, the optimizer, `compile`)
+# goes under `strategy.scope()`, so each variable is mirrored on every
+# device. `fit` then splits each global batch across the replicas.
+#
+# `aggregate_in_float16=True` sums the *scaled* gradients across replicas in
+# float16 (half the traffic) and unscales them in float32 afterwards (RFC
+# 293); the loss scale keeps them in float16's range, and a sum that
+# overflows is caught by the finite check like any other overflow.
+#
+# `jit_compile=False`: XLA cannot compile TensorFlow's cross-device
+# collectives on CPUs, so this guide compiles without it (the same holds for
+# any Keras optimizer).
+
+
+def split_cpu_for_tensorflow():
+    import tensorflow as tf
+
+    if not tf.config.list_physical_devices("GPU"):
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+        )
+
+
+def mirrored_fit(strategy, steps):
+    with strategy.scope():
+        model = make_model()
+        optimizer = keras_mp.LossScaleOptimizer(
+            keras.optimizers.Adam(1e-3), aggregate_in_float16=True
+        )
+        model.compile(optimizer, "mean_squared_error", jit_compile=False)
+    x, y = make_data(steps)
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH_SIZE, verbose=0)
+    # The loss in the logs is the global batch's mean, as on one device.
+    report("fit", optimizer, history.history["loss"][-1])
+
+
+# ## TensorFlow: a custom loop under `strategy.run`
+#
+# The replica step computes its share of the loss (summed over its rows,
+# divided by the *global* batch size, so that the sum across replicas is
+# the global mean) and calls `optimizer.minimize`. All the distributed work
+# is inside the optimizer: one all-reduce of the scaled gradients, then the
+# finite check, unscaling and update, the same on every replica. The same
+# function runs under MultiWorkerMirroredStrategy below.
+#
+# `poisoned_replica` makes one replica's loss NaN: a stand-in for a float16
+# overflow on one device only.
+
+
+def custom_loop(strategy, steps):
+    import tensorflow as tf
+
+    with strategy.scope():
+        model = make_model()
+        optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+        optimizer.build(model.trainable_variables)
+    poisoned_replica = tf.Variable(-1)
+    x, y = make_data(steps)
+
+    def dataset_fn(context):
+        # Each input pipeline (one per worker) reads its own shard.
+        batch_size = context.get_per_replica_batch_size(GLOBAL_BATCH_SIZE)
+        return (
+            tf.data.Dataset.from_tensor_slices((x, y))
+            .shard(context.num_input_pipelines, context.input_pipeline_id)
+            .batch(batch_size)
+            .repeat()
+        )
+
+    batches = iter(strategy.distribute_datasets_from_function(dataset_fn))
+
+    def replica_step(x, y):
+        replica_id = (
+            tf.distribute.get_replica_context().replica_id_in_sync_group
+        )
+        poisoned = tf.equal(poisoned_replica, replica_id)
+        with tf.GradientTape() as tape:
+            errors = keras.losses.mean_squared_error(y, model(x, training=True))
+            loss = tf.reduce_sum(errors) / GLOBAL_BATCH_SIZE
+            loss = loss * tf.where(poisoned, float("nan"), 1.0)
+        optimizer.minimize(loss, model.trainable_variables, tape=tape)
+        return loss
+
+    @tf.function
+    def train_step(batch):
+        losses = strategy.run(replica_step, args=batch)
+        return strategy.reduce("SUM", losses, axis=None)
+
+    for _ in range(steps):
+        loss = train_step(next(batches))
+    report("custom loop", optimizer, float(loss))
+
+    weights = [keras.ops.convert_to_numpy(w) for w in model.weights]
+    poisoned_replica.assign(strategy.num_replicas_in_sync - 1)
+    train_step(next(batches))
+    unchanged = all(
+        np.array_equal(keras.ops.convert_to_numpy(w), before)
+        for w, before in zip(model.weights, weights)
+    )
+    print(
+        f"  NaN on replica {strategy.num_replicas_in_sync - 1} only: every "
+        f"replica skipped the step (weights unchanged: {unchanged}), loss "
+        f"scale now {to_float(optimizer.loss_scale.loss_scale)}"
+    )
+    return model
+
+
+# ## TensorFlow: MultiWorkerMirroredStrategy
+#
+# Each worker is a process (usually one per machine) running the same
+# script with a `TF_CONFIG` naming every worker and its own index; the
+# strategy must be created before TensorFlow runs anything else. Here the
+# guide starts two workers on this machine (loopback addresses and free
+# ports) and checks that they end with identical weights.
+#
+# The workers run the custom loop: with several workers, Keras 3.15's
+# TensorFlow `fit` fails before its first step (its symbolic build calls
+# `strategy.reduce` on a tuple of per-replica batches), whatever the
+# optimizer.
+
+
+def run_worker(index, steps):
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    set_policy()
+    model = custom_loop(strategy, steps)
+    checksum = sum(
+        float(np.sum(keras.ops.convert_to_numpy(w))) for w in model.weights
+    )
+    print(json.dumps({"worker": index, "checksum": checksum}))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_workers(steps, num_workers=2):
+    cluster = {
+        "worker": [f"127.0.0.1:{free_port()}" for _ in range(num_workers)]
+    }
+    processes = []
+    for index in range(num_workers):
+        task = {"type": "worker", "index": index}
+        env = dict(
+            os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": task})
+        )
+        command = [sys.executable, __file__, "--worker", str(index)]
+        processes.append(
+            subprocess.Popen(
+                [*command, "--steps", str(steps)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return processes
+
+
+def wait_for_workers(processes, timeout=240):
+    outputs = []
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=timeout)
+            if process.returncode != 0:
+                raise RuntimeError(f"A worker failed:\n{stderr[-3000:]}")
+            outputs.append(stdout)
+    finally:
+        # A worker left alone would wait for the others forever.
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    for output in outputs:
+        print("\n".join("  " + line for line in output.strip().splitlines()))
+    checksums = {
+        json.loads(out.splitlines()[-1])["checksum"] for out in outputs
+    }
+    identical = len(checksums) == 1
+    print(
+        f"  the {len(outputs)} workers end with identical weights: {identical}"
+    )
+
+
+def run_tensorflow(steps):
+    import tensorflow as tf
+
+    # The workers take a while to start and connect: they go first, and
+    # the MirroredStrategy sections run meanwhile.
+    workers = start_workers(steps)
+    split_cpu_for_tensorflow()
+    set_policy()
+    strategy = tf.distribute.MirroredStrategy()
+    print(f"MirroredStrategy over {strategy.num_replicas_in_sync} devices:")
+    mirrored_fit(strategy, steps)
+    custom_loop(strategy, steps)
+    print("MultiWorkerMirroredStrategy, two workers on this machine:")
+    wait_for_workers(workers)
+
+
+# ## JAX: keras.distribution
+#
+# A distribution set with `keras.distribution.set_distribution` places every
+# variable created afterwards, and `fit` shards each batch along the
+# `"batch"` axis of the device mesh. Inside the jitted step the gradients of
+# the global loss are already summed across devices (XLA inserts the
+# all-reduce in the backward pass, in the compute dtype: float16 under this
+# policy), so the optimizer's finite check, unscaling and update see the
+# same gradients on every device, and one device's NaN makes all of them
+# skip the step.
+
+
+def jax_fit(name, steps, poisoned_rows):
+    model = make_model()
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+    model.compile(optimizer, "mean_squared_error")
+    x, y = make_data(steps)
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH_SIZE, verbose=0)
+    report(name, optimizer, history.history["loss"][-1])
+
+    weights = [keras.ops.convert_to_numpy(w) for w in model.weights]
+    x, y = make_data(1)
+    y[poisoned_rows] = np.nan
+    model.fit(x, y, batch_size=GLOBAL_BATCH_SIZE, verbose=0)
+    unchanged = all(
+        np.array_equal(keras.ops.convert_to_numpy(w), before)
+        for w, before in zip(model.weights, weights)
+    )
+    print(
+        f"  NaN labels in rows {poisoned_rows[0]}-{poisoned_rows[-1]}: every "
+        f"device skipped the step (weights unchanged: {unchanged}), loss "
+        f"scale now {to_float(optimizer.loss_scale.loss_scale)}"
+    )
+    return model
+
+
+def rows_on_last_device(distribution):
+    # The rows of a global batch that the data layout puts on the last
+    # device.
+    shape = (GLOBAL_BATCH_SIZE, 1)
+    sharding = distribution.get_data_layout(shape).backend_layout
+    last = distribution.device_mesh.devices.flatten()[-1]
+    index = sharding.devices_indices_map(shape)[last]
+    return list(range(GLOBAL_BATCH_SIZE)[index[0]])
+
+
+def run_jax(steps):
+    import jax
+
+    set_policy()
+    devices = jax.devices()
+
+    data_parallel = keras.distribution.DataParallel(devices=devices)
+    keras.distribution.set_distribution(data_parallel)
+    print(f"DataParallel over {len(devices)} devices:")
+    # NaN labels in the rows of the last device only.
+    jax_fit("fit", steps, rows_on_last_device(data_parallel))
+
+    # ModelParallel: a LayoutMap says how to split each variable, matched by
+    # its path. Here the hidden kernel's columns (and its bias) are split
+    # along the "model" axis; other variables are replicated.
+    mesh = keras.distribution.DeviceMesh(
+        (1, len(devices)), ["batch", "model"], devices
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*hidden/kernel"] = (None, "model")
+    layout_map[".*hidden/bias"] = ("model",)
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch"
+        )
+    )
+    print(
+        f"ModelParallel, the hidden kernel split over {len(devices)} devices:"
+    )
+    # Every device holds every row of the batch here, so all rows are NaN.
+    model = jax_fit("fit", steps, list(range(GLOBAL_BATCH_SIZE)))
+    kernel = model.get_layer("hidden").kernel.value
+    shapes = [tuple(shard.data.shape) for shard in kernel.addressable_shards]
+    print(f"  hidden kernel {tuple(kernel.shape)}, shards {shapes}")
+    # On several hosts, each process calls keras.distribution.initialize()
+    # first and then runs this same code.
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker is not None:
+        run_worker(args.worker, args.steps)
+        return
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        run_tensorflow(args.steps)
+    elif backend == "jax":
+        run_jax(args.steps)
+    else:
+        print(f"This guide has TensorFlow and JAX sections, not {backend}.")
+
+
+if __name__ == "__main__":
+    main()
