@@ -1,0 +1,201 @@
+"""Step time of `fit` with and without loss scaling, keras_mp next to Keras.
+
+Three variants of the same MLP train on the same data from the same initial
+weights, on the backend named by KERAS_BACKEND:
+
+- plain: the inner optimizer (Adam) alone, no loss scaling;
+- keras: `keras.optimizers.LossScaleOptimizer(Adam)`;
+- keras_mp: `keras_mp.LossScaleOptimizer(Adam)`.
+
+Both wrappers get the same explicit dynamic loss scale (2**15, growth every
+2000 steps). The policy defaults to mixed_bfloat16 because float16 matmuls
+are emulated, and very slow, on CPUs: the wrappers then pay exactly what loss
+scaling adds to a step (scale the loss, unscale the gradients, the finite
+check, the conditional update, the scale update) on top of the same model.
+
+Each variant is compiled and warmed up first. Then, in every repeat, each
+variant runs `fit` for `--steps` steps (the order rotating between
+repeats, so that machine load drifts evenly over the three); the step time
+of a repeat is its `fit` time divided by the steps, and the table shows the
+median over repeats, of wall time and of this process's CPU time (the
+steadier figure on a machine shared with other work). Each ratio is given
+as the ratio of the medians and, steadier under a drifting load, as the
+median of the ratios within each repeat ("paired"):
+
+    KERAS_BACKEND=jax python benchmarks/loss_scale_overhead.py
+    KERAS_BACKEND=tensorflow python benchmarks/loss_scale_overhead.py \\
+        --steps 200 --repeats 7
+"""
+
+import argparse
+import statistics
+import time
+
+import keras
+import numpy as np
+
+import keras_mp
+
+VARIANTS = ("plain", "keras", "keras_mp")
+RATIOS = (("keras_mp", "plain"), ("keras_mp", "keras"), ("keras", "plain"))
+INITIAL_SCALE = 2.0**15
+GROWTH_STEPS = 2000
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=200, help="steps a repeat")
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=20, help="untimed steps first"
+    )
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--features", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=3, help="hidden layers")
+    parser.add_argument("--classes", type=int, default=10)
+    parser.add_argument(
+        "--policy",
+        default="mixed_bfloat16",
+        choices=("mixed_bfloat16", "mixed_float16", "float32"),
+    )
+    args = parser.parse_args(argv)
+    for name in ("steps", "repeats", "batch_size", "hidden", "layers"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def make_optimizer(variant):
+    inner = keras.optimizers.Adam(1e-3)
+    if variant == "plain":
+        return inner
+    if variant == "keras":
+        return keras.optimizers.LossScaleOptimizer(
+            inner,
+            initial_scale=INITIAL_SCALE,
+            dynamic_growth_steps=GROWTH_STEPS,
+        )
+    return keras_mp.LossScaleOptimizer(
+        inner,
+        loss_scale=keras_mp.DynamicLossScale(
+            INITIAL_SCALE, increment_period=GROWTH_STEPS
+        ),
+    )
+
+
+def build_model(args, variant):
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((args.features,))]
+    layers += [
+        keras.layers.Dense(args.hidden, activation="relu")
+        for _ in range(args.layers)
+    ]
+    layers += [
+        keras.layers.Dense(args.classes),
+        # float32 logits: the loss's softmax runs in float32.
+        keras.layers.Activation("linear", dtype="float32"),
+    ]
+    model = keras.Sequential(layers)
+    model.compile(
+        optimizer=make_optimizer(variant),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def make_data(args, steps):
+    rng = np.random.default_rng(0)
+    samples = steps * args.batch_size
+    x = rng.normal(size=(samples, args.features)).astype("float32")
+    y = rng.integers(0, args.classes, size=(samples,)).astype("int32")
+    return x, y
+
+
+def fit_seconds(model, data, batch_size):
+    """Wall and process CPU seconds of one epoch of `fit` over `data`."""
+    x, y = data
+    wall, cpu = time.perf_counter(), time.process_time()
+    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def run(args):
+    """Times the three variants.
+
+    Returns:
+        `{variant: [(wall, cpu) seconds per step, one pair a repeat]}`.
+    """
+    # No policy loss scale: `compile` must leave the plain variant unwrapped.
+    keras_mp.set_global_policy(keras_mp.Policy(args.policy, loss_scale=None))
+    models = {variant: build_model(args, variant) for variant in VARIANTS}
+    warmup = make_data(args, max(args.warmup_steps, 1))
+    timed = make_data(args, args.steps)
+    for model in models.values():
+        fit_seconds(model, warmup, args.batch_size)
+    step_times = {variant: [] for variant in VARIANTS}
+    for repeat in range(args.repeats):
+        shift = repeat % len(VARIANTS)
+        for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+            wall, cpu = fit_seconds(models[variant], timed, args.batch_size)
+            step_times[variant].append((wall / args.steps, cpu / args.steps))
+    for variant in ("keras", "keras_mp"):
+        optimizer = models[variant].optimizer
+        scale = float(keras.ops.convert_to_numpy(optimizer.scale_loss(1.0)))
+        if scale != INITIAL_SCALE:
+            raise RuntimeError(
+                f"The {variant} loss scale moved to {scale} during the "
+                "benchmark (an overflow), so its steps were not comparable."
+            )
+    return step_times
+
+
+def format_table(args, step_times):
+    def median(variant, column):
+        return statistics.median(t[column] for t in step_times[variant])
+
+    wall = {v: median(v, 0) for v in VARIANTS}
+    cpu = {v: median(v, 1) for v in VARIANTS}
+    lines = [
+        f"backend={keras.backend.backend()} policy={args.policy} "
+        f"mlp={args.features}-{'x'.join([str(args.hidden)] * args.layers)}-"
+        f"{args.classes} batch={args.batch_size} steps={args.steps} "
+        f"repeats={args.repeats}",
+        f"{'variant':<10} {'median wall ms/step':>20} {'min wall':>9} "
+        f"{'median cpu ms/step':>19}",
+    ]
+    for variant in VARIANTS:
+        fastest = min(t[0] for t in step_times[variant])
+        lines.append(
+            f"{variant:<10} {wall[variant] * 1e3:>20.3f} {fastest * 1e3:>9.3f} "
+            f"{cpu[variant] * 1e3:>19.3f}"
+        )
+    lines.append(
+        f"{'ratio':<15} {'wall':>7} {'paired':>7} {'cpu':>7} {'paired':>7}"
+    )
+    for numerator, denominator in RATIOS:
+        figures = []
+        for column, medians in ((0, wall), (1, cpu)):
+            figures.append(medians[numerator] / medians[denominator])
+            figures.append(
+                statistics.median(
+                    a[column] / b[column]
+                    for a, b in zip(
+                        step_times[numerator], step_times[denominator]
+                    )
+                )
+            )
+        lines.append(
+            f"{numerator + '/' + denominator:<15} "
+            + " ".join(f"{figure:>7.3f}" for figure in figures)
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    print(format_table(args, run(args)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""The loss scaling overhead benchmark runs end to end at a tiny size."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+BENCHMARK = (
+    pathlib.Path(__file__).resolve().parent.parent
+    / "benchmarks"
+    / "loss_scale_overhead.py"
+)
+
+
+def _load_benchmark():
+    spec = importlib.util.spec_from_file_location(
+        "keras_mp_benchmark_loss_scale_overhead", BENCHMARK
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_prints_step_times_and_ratios_of_the_three_variants(capsys):
+    benchmark = _load_benchmark()
+    benchmark.main(
+        [
+            "--steps=2",
+            "--repeats=2",
+            "--warmup-steps=1",
+            "--batch-size=4",
+            "--features=8",
+            "--hidden=8",
+            "--layers=1",
+        ]
+    )
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in lines[2:]}
+    for variant in ("plain", "keras", "keras_mp"):
+        assert all(float(figure) > 0 for figure in rows[variant])
+    for ratio in ("keras_mp/plain", "keras_mp/keras", "keras/plain"):
+        assert len(rows[ratio]) == 4
+
+
+def test_benchmark_refuses_zero_steps():
+    with pytest.raises(SystemExit):
+        _load_benchmark().parse_args(["--steps=0"])
