@@ -249,14 +249,25 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
         Gradients returned here and then given to `apply_gradients` in the
         same step are not divided a second time.
         """
-        scale = self._loss_scale()
-        unscaled = [None if g is None else self._unscale(g, scale) for g in grads]
+        reciprocal = self._reciprocal_scale()
+        unscaled = [
+            None if g is None else self._unscale(g, reciprocal) for g in grads
+        ]
         self._unscaled_record.grads = unscaled
         return unscaled
 
-    def _unscale(self, grad, scale):
+    def _reciprocal_scale(self):
+        # One division per step, then a multiply per gradient (as tf.keras
+        # did): cheaper than a divide per gradient on CPU, and exact for the
+        # powers of two a dynamic scale takes.
+        return ops.divide(1.0, self._loss_scale())
+
+    def _unscale(self, grad, reciprocal):
         return backend_gradients.map_gradient(
-            lambda values: ops.divide(values, ops.cast(scale, values.dtype)), grad
+            lambda values: ops.multiply(
+                values, ops.cast(reciprocal, values.dtype)
+            ),
+            grad,
         )
 
     def _take_already_unscaled(self, grads):
@@ -280,7 +291,8 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
             [g for g, _ in grads_and_vars]
         )
         return super().apply_gradients(
-            grads_and_vars, skip_gradients_aggregation=skip_gradients_aggregation
+            grads_and_vars,
+            skip_gradients_aggregation=skip_gradients_aggregation,
         )
 
     def aggregate_gradients(self, grads_and_vars):
@@ -313,12 +325,12 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
 
     def transform_gradients(self, grads_and_vars):
         if not self._already_unscaled:
-            scale = self._loss_scale()
+            reciprocal = self._reciprocal_scale()
             grads_and_vars = [
                 (
                     g
                     if g is None or self._overwrite_variable_with_gradient(v)
-                    else self._unscale(g, scale),
+                    else self._unscale(g, reciprocal),
                     v,
                 )
                 for g, v in grads_and_vars
@@ -354,8 +366,10 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         if config.get("aggregate_gradients") is not None:
-            config["aggregate_gradients"] = keras.saving.deserialize_keras_object(
-                config["aggregate_gradients"], custom_objects=custom_objects
+            config["aggregate_gradients"] = (
+                keras.saving.deserialize_keras_object(
+                    config["aggregate_gradients"], custom_objects=custom_objects
+                )
             )
         return cls(inner, **config)
 
