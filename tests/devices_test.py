@@ -345,3 +345,15 @@ class TestDeviceDetails:
         assert devices.device_details() == [A100]
         monkeypatch.setattr(devices, lookup, lambda: [])
         assert [d["kind"] for d in devices.device_details()] == ["cpu"]
+
+
+def test_warnings_point_to_recommend_policy():
+    cpu = {
+        "kind": "cpu",
+        "name": "test cpu",
+        "compute_capability": None,
+        "native_bfloat16": False,
+    }
+    for name in ("mixed_float16", "mixed_bfloat16"):
+        message = devices.compatibility_warning(name, [cpu])
+        assert "keras_mp.recommend_policy()" in message

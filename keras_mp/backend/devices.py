@@ -159,7 +159,8 @@ def compatibility_warning(policy_name, details):
             "Mixed precision compatibility check (mixed_float16): float16 "
             "runs fast only on NVIDIA GPUs of compute capability 7.0 or "
             f"higher, and this process has {found}. It may run slower than "
-            f"float32 here; {better} is the better choice on these devices."
+            f"float32 here; {better} is the better choice on these devices. "
+            "keras_mp.recommend_policy() measures which is fastest."
         )
     if policy_name == "mixed_bfloat16":
         if all(d["native_bfloat16"] for d in details):
@@ -170,7 +171,7 @@ def compatibility_warning(policy_name, details):
             "support, so bfloat16 is emulated and may run slower than "
             "float32; 'float32' is the better choice here (or "
             "'mixed_float16' on an NVIDIA GPU of compute capability 7.0 or "
-            "higher)."
+            "higher). keras_mp.recommend_policy() measures which is fastest."
         )
     return None
 
