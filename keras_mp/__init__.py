@@ -4,6 +4,7 @@ The public API of RFC 293 (Keras Mixed Precision API) and RFC 234 (Easily
 Customizable Optimizer.minimize) on every Keras 3 backend.
 """
 
+from keras_mp import callbacks
 from keras_mp import losses
 from keras_mp import models
 from keras_mp import optimizers
@@ -19,6 +20,8 @@ from keras_mp.policy import Policy
 from keras_mp.policy import global_policy
 from keras_mp.policy import policy_scope
 from keras_mp.policy import set_global_policy
+from keras_mp.recommend import PolicyRecommendation
+from keras_mp.recommend import recommend_policy
 
 __version__ = "0.1.0"
 
@@ -30,12 +33,15 @@ __all__ = [
     "LossScaleOptimizer",
     "OptimizerWrapper",
     "Policy",
+    "PolicyRecommendation",
+    "callbacks",
     "enable_autocast",
     "global_policy",
     "losses",
     "models",
     "optimizers",
     "policy_scope",
+    "recommend_policy",
     "set_global_policy",
     "transforms",
 ]

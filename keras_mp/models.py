@@ -2,7 +2,10 @@
 
 With a keras_mp policy that has a loss scale, `Model.compile` wraps the
 optimizer in a `keras_mp.LossScaleOptimizer` holding a copy of that scale, on
-Sequential, functional and subclassed models alike.
+Sequential, functional and subclassed models alike. With such an optimizer,
+`Model.fit` puts a `keras_mp.callbacks.LossScaleLogger` first among the
+callbacks, so `loss_scale` and `skipped_steps` reach the logs;
+`fit(..., log_loss_scale=False)` leaves it out.
 """
 
 import functools
@@ -11,7 +14,11 @@ import inspect
 import keras
 
 from keras_mp import _keras_internals
+from keras_mp import callbacks as callbacks_module
 from keras_mp.optimizers.loss_scale_optimizer import LossScaleOptimizer
+from keras_mp.optimizers.loss_scale_optimizer import (
+    _contains_loss_scale_optimizer,
+)
 from keras_mp.policy import Policy
 
 
@@ -30,9 +37,7 @@ def wrap_for_policy(optimizer, policy):
     if not isinstance(policy, Policy) or policy.loss_scale is None:
         return optimizer
     optimizer = keras.optimizers.get(optimizer)
-    if optimizer is None or isinstance(
-        optimizer, keras.optimizers.LossScaleOptimizer
-    ):
+    if optimizer is None or _contains_loss_scale_optimizer(optimizer):
         return optimizer
     template = policy.loss_scale
     loss_scale = type(template).from_config(template.get_config())
@@ -58,9 +63,17 @@ def _install_compile_hook():
                 # Keras would wrap "mixed_float16" in its own optimizer.
                 arguments["auto_scale_loss"] = False
             else:
-                arguments["optimizer"] = wrap_for_policy(
-                    arguments["optimizer"], policy
-                )
+                optimizer = wrap_for_policy(arguments["optimizer"], policy)
+                arguments["optimizer"] = optimizer
+                if isinstance(
+                    optimizer, keras.optimizers.Optimizer
+                ) and not isinstance(
+                    optimizer, keras.optimizers.LossScaleOptimizer
+                ):
+                    # Keras checks only the outermost optimizer; one that
+                    # wraps a LossScaleOptimizer must not be wrapped again.
+                    if _contains_loss_scale_optimizer(optimizer):
+                        arguments["auto_scale_loss"] = False
         result = original(*bound.args, **bound.kwargs)
         compile_config = getattr(self, "_compile_config", None)
         if not arguments["auto_scale_loss"] and compile_config is not None:
@@ -74,3 +87,35 @@ def _install_compile_hook():
 
 
 _install_compile_hook()
+
+
+# `fit`: the loss scale in the logs (keras_mp.callbacks.LossScaleLogger).
+
+
+def _install_fit_hook():
+    # The backend trainers each define `fit`; `keras.Model` inherits it from
+    # the active one, and Sequential and functional models from `Model`.
+    original = keras.Model.fit
+    if getattr(original, "_keras_mp_hook", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def fit(self, *args, log_loss_scale=True, **kwargs):
+        # `log_loss_scale=False` leaves out the LossScaleLogger that is
+        # otherwise put first among the callbacks when the optimizer is a
+        # keras_mp LossScaleOptimizer.
+        if log_loss_scale:
+            bound = signature.bind(self, *args, **kwargs)
+            add_logger = callbacks_module.add_loss_scale_logger
+            bound.arguments["callbacks"] = add_logger(
+                bound.arguments.get("callbacks"), self.optimizer
+            )
+            args, kwargs = bound.args[1:], bound.kwargs
+        return original(self, *args, **kwargs)
+
+    fit._keras_mp_hook = True
+    keras.Model.fit = fit
+
+
+_install_fit_hook()

@@ -78,6 +78,11 @@ def test_compile_respects_auto_scale_loss_false_and_wrapped_optimizers():
     theirs = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
     model.compile(theirs, "mse")
     assert model.optimizer is theirs
+    nested = keras_mp.optimizers.Lookahead(
+        keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    )
+    model.compile(nested, "mse")
+    assert model.optimizer is nested
 
 
 def test_policy_without_loss_scale_is_not_wrapped_even_for_float16():

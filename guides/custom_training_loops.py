@@ -1,0 +1,288 @@
+"""Guide: mixed precision in training loops you write yourself.
+
+`fit` does everything in the guide `mixed_precision_with_fit.py` for you.
+A loop of your own needs one more thing under a float16 policy: the loss
+scale. keras_mp's `LossScaleOptimizer` keeps it out of your way. The
+section that runs is chosen by the backend:
+
+- TensorFlow: a `tf.GradientTape` loop in a `tf.function`, first with
+  `optimizer.minimize(loss, var_list, tape=tape)` (RFC 234: the optimizer
+  scales the loss, takes the gradients, unscales them, skips the step on
+  overflow), then with RFC 293's explicit `get_scaled_loss` /
+  `get_unscaled_gradients` / `apply_gradients`.
+- JAX: a pure, jitted step on explicit state: `model.stateless_call`,
+  `jax.value_and_grad` of the *scaled* loss, `optimizer.stateless_apply`.
+
+Both then feed one batch that overflows and check that the step was skipped
+with every weight left bit for bit as it was.
+
+    python guides/custom_training_loops.py            # TensorFlow section
+    KERAS_BACKEND=jax python guides/custom_training_loops.py
+    python guides/custom_training_loops.py --quick    # a few steps (CI)
+"""
+
+import argparse
+import os
+import warnings
+
+import keras
+import numpy as np
+from sklearn.datasets import load_digits
+
+import keras_mp
+
+BATCH_SIZE = 64
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        default=os.environ.get("KERAS_MP_QUICK") == "1",
+        help="a few steps only, for CI (also KERAS_MP_QUICK=1)",
+    )
+    return parser.parse_args(argv)
+
+
+# ## The setup both loops share
+#
+# Policy first, then the model. The policy's dynamic loss scale is copied
+# into the optimizer by `compile`; a loop that never calls `compile` wraps
+# the optimizer itself, with the same default scale.
+
+
+def setup():
+    with warnings.catch_warnings():
+        # On a CPU the hardware check warns that float16 is slow here; this
+        # guide is about the loop, not speed.
+        warnings.filterwarnings("ignore", "Mixed precision compatibility")
+        keras_mp.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(10),
+            # Logits in float32, so the loss sees float32 inputs.
+            keras.layers.Activation("linear", dtype="float32"),
+        ]
+    )
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return model, optimizer, loss_fn
+
+
+def batches(steps):
+    digits = load_digits()
+    x = (digits.data / 16.0).astype("float32")
+    y = digits.target.astype("int32")
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        index = rng.integers(0, len(x), BATCH_SIZE)
+        yield x[index], y[index]
+
+
+def overflowing_batch():
+    """A batch whose loss (hence every gradient) is inf: a stand-in for a
+    float16 overflow."""
+    x, y = next(batches(1))
+    x = x.copy()
+    x[0, 0] = np.inf
+    return x, y
+
+
+def accuracy(model):
+    digits = load_digits()
+    logits = keras.ops.convert_to_numpy(model(digits.data / 16.0))
+    return float(np.mean(np.argmax(logits, axis=-1) == digits.target))
+
+
+def report(model, optimizer):
+    scale = float(keras.ops.convert_to_numpy(optimizer.loss_scale()))
+    print(
+        f"  training-set accuracy {accuracy(model):.2%}, loss scale "
+        f"{scale:g}, applied steps "
+        f"{int(keras.ops.convert_to_numpy(optimizer.iterations))}, skipped "
+        f"steps {int(keras.ops.convert_to_numpy(optimizer.skipped_steps))}"
+    )
+
+
+# ## TensorFlow: GradientTape
+#
+# `minimize(loss, var_list, tape=tape)` runs the whole RFC 234 pipeline. The
+# loop does not know that the loss is scaled, nor that a step may be skipped.
+
+
+def tensorflow_minimize(model, optimizer, loss_fn, steps):
+    import tensorflow as tf
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        optimizer.minimize(loss, model.trainable_variables, tape=tape)
+        return loss
+
+    for x, y in batches(steps):
+        train_step(x, y)
+    return train_step
+
+
+# The explicit RFC 293 form, as tf.keras code wrote it: scale the loss inside
+# the tape, unscale the gradients, apply. `apply_gradients` sees that these
+# gradients were unscaled already and does not divide them again; it still
+# checks them and skips the step on overflow.
+
+
+def tensorflow_explicit(model, optimizer, loss_fn, steps):
+    import tensorflow as tf
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+            scaled_loss = optimizer.get_scaled_loss(loss)
+        scaled_grads = tape.gradient(scaled_loss, model.trainable_variables)
+        grads = optimizer.get_unscaled_gradients(scaled_grads)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    for x, y in batches(steps):
+        train_step(x, y)
+    return train_step
+
+
+def run_tensorflow(steps):
+    model, optimizer, loss_fn = setup()
+    print("TensorFlow, optimizer.minimize(loss, var_list, tape=tape):")
+    train_step = tensorflow_minimize(model, optimizer, loss_fn, steps)
+    report(model, optimizer)
+
+    print("One overflowing batch through the same step:")
+    before = [v.numpy().copy() for v in model.variables + optimizer.variables]
+    train_step(*overflowing_batch())
+    after_step_checks(model, optimizer, before)
+
+    print("TensorFlow, get_scaled_loss / get_unscaled_gradients:")
+    model, optimizer, loss_fn = setup()
+    tensorflow_explicit(model, optimizer, loss_fn, steps)
+    report(model, optimizer)
+
+
+# ## JAX: a stateless step
+#
+# JAX differentiates pure functions, so the step takes the variables' values
+# as arguments and returns new ones. Two details make it loss-scaled:
+#
+# - the loss scale is an optimizer variable, so `scale_loss` runs under a
+#   `keras.StatelessScope` mapping the optimizer variables to the values
+#   this step carries (otherwise it would read a constant baked in at trace
+#   time);
+# - the gradients of the *scaled* loss go to `stateless_apply`, which
+#   unscales them, updates the scale and skips the update on overflow, all
+#   as array operations inside the jitted step.
+
+
+def jax_loop(model, optimizer, loss_fn, steps):
+    import jax
+
+    optimizer.build(model.trainable_variables)
+
+    def compute_loss(trainable, non_trainable, optimizer_values, x, y):
+        y_pred, non_trainable = model.stateless_call(
+            trainable, non_trainable, x, training=True
+        )
+        loss = loss_fn(y, y_pred)
+        mapping = list(zip(optimizer.variables, optimizer_values))
+        with keras.StatelessScope(state_mapping=mapping):
+            scaled_loss = optimizer.scale_loss(loss)
+        return scaled_loss, (loss, non_trainable)
+
+    grad_fn = jax.value_and_grad(compute_loss, has_aux=True)
+
+    @jax.jit
+    def train_step(state, x, y):
+        trainable, non_trainable, optimizer_values = state
+        (_, (loss, non_trainable)), grads = grad_fn(
+            trainable, non_trainable, optimizer_values, x, y
+        )
+        trainable, optimizer_values = optimizer.stateless_apply(
+            optimizer_values, grads, trainable
+        )
+        return loss, (trainable, non_trainable, optimizer_values)
+
+    state = (
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+        [v.value for v in optimizer.variables],
+    )
+    for x, y in batches(steps):
+        _, state = train_step(state, x, y)
+    write_back(model, optimizer, state)
+    return train_step, state
+
+
+def write_back(model, optimizer, state):
+    """Puts the loop's state into the Keras variables (to save, evaluate)."""
+    trainable, non_trainable, optimizer_values = state
+    for variable, value in zip(model.trainable_variables, trainable):
+        variable.assign(value)
+    for variable, value in zip(model.non_trainable_variables, non_trainable):
+        variable.assign(value)
+    for variable, value in zip(optimizer.variables, optimizer_values):
+        variable.assign(value)
+
+
+def run_jax(steps):
+    model, optimizer, loss_fn = setup()
+    print("JAX, stateless_call + value_and_grad + stateless_apply:")
+    train_step, state = jax_loop(model, optimizer, loss_fn, steps)
+    report(model, optimizer)
+
+    print("One overflowing batch through the same step:")
+    before = [np.array(v.value) for v in model.variables + optimizer.variables]
+    _, state = train_step(state, *overflowing_batch())
+    write_back(model, optimizer, state)
+    after_step_checks(model, optimizer, before)
+
+
+def after_step_checks(model, optimizer, before):
+    after = [
+        np.array(keras.ops.convert_to_numpy(v.value))
+        for v in model.variables + optimizer.variables
+    ]
+    scale_variables = {id(v) for v in optimizer.loss_scale.variables}
+    scale_variables.add(id(optimizer.skipped_steps))
+    unchanged = all(
+        a.tobytes() == b.tobytes()
+        for v, a, b in zip(model.variables + optimizer.variables, after, before)
+        if id(v) not in scale_variables
+    )
+    report(model, optimizer)
+    print(
+        "  weights and Adam's state bit-identical after the skipped step: "
+        f"{unchanged}"
+    )
+    if not unchanged:
+        raise SystemExit("A skipped step changed the weights.")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    steps = 5 if args.quick else args.steps
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        run_tensorflow(steps)
+    elif backend == "jax":
+        run_jax(steps)
+    else:
+        print(
+            f"No section for the {backend} backend; use fit (see the guide "
+            "mixed_precision_with_fit.py)."
+        )
+
+
+if __name__ == "__main__":
+    main()

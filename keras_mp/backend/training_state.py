@@ -1,0 +1,43 @@
+"""Optimizer variable values in the middle of `Model.fit`, on any backend.
+
+On TensorFlow (and torch) the variables themselves are updated every step.
+The JAX trainer (keras 3.10 - 3.15) instead carries the state through its
+jitted step as arrays and writes them back to the variables only at the end
+of an epoch or when a callback accesses `Callback.model`; meanwhile the
+latest arrays sit in `model._jax_state` with `model._jax_state_synced`
+False. Reading them there avoids the write-back of every model variable that
+going through `Callback.model` would cost each step.
+"""
+
+import numpy as np
+from keras import ops
+
+
+def _unsynced_optimizer_state(model):
+    state = getattr(model, "_jax_state", None)
+    if not state or getattr(model, "_jax_state_synced", True):
+        return None
+    return state.get("optimizer_variables")
+
+
+def latest_values(model, variables):
+    """The values of `model.optimizer`'s `variables` after the last step.
+
+    Args:
+        model: The model being trained (the callback's `_model`).
+        variables: Variables of `model.optimizer`.
+
+    Returns:
+        A list of NumPy arrays, one per variable.
+    """
+    state = _unsynced_optimizer_state(model)
+    positions = {}
+    if state is not None:
+        positions = {id(v): i for i, v in enumerate(model.optimizer.variables)}
+    # Only variables outside the carried state are read directly: during an
+    # epoch the JAX trainer may have dropped the values of the others.
+    values = [
+        state[positions[id(v)]] if id(v) in positions else v.value
+        for v in variables
+    ]
+    return [np.asarray(ops.convert_to_numpy(value)) for value in values]

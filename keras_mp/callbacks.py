@@ -1,0 +1,162 @@
+"""Callbacks that make loss scaling visible in `fit` logs."""
+
+import keras
+from keras import ops
+
+from keras_mp.backend import training_state
+from keras_mp.optimizers.loss_scale_optimizer import LossScaleOptimizer
+from keras_mp.optimizers.wrapper import OptimizerWrapper
+
+__all__ = ["LossScaleLogger"]
+
+
+def add_loss_scale_logger(callbacks, optimizer):
+    """The `callbacks` of a `fit` call, with a `LossScaleLogger` put first.
+
+    Used by `Model.fit` (see `keras_mp.models`). The list is returned as
+    given when `optimizer` has no keras_mp `LossScaleOptimizer`, when it
+    holds a `LossScaleLogger` already, or when it is a
+    `keras.callbacks.CallbackList` (which `fit` uses as it is).
+    """
+    if find_loss_scale_optimizer(optimizer) is None or isinstance(
+        callbacks, keras.callbacks.CallbackList
+    ):
+        return callbacks
+    # Keras takes a callback, a list or nested lists, and flattens them.
+    callbacks = [] if callbacks is None else keras.tree.flatten(callbacks)
+    if any(isinstance(c, LossScaleLogger) for c in callbacks):
+        return callbacks
+    return [LossScaleLogger(), *callbacks]
+
+
+def find_loss_scale_optimizer(optimizer):
+    """The keras_mp `LossScaleOptimizer` that is or is wrapped by `optimizer`.
+
+    Returns:
+        The `LossScaleOptimizer`, or None if there is none in the chain of
+        `inner_optimizer`s.
+    """
+    while isinstance(optimizer, OptimizerWrapper):
+        if isinstance(optimizer, LossScaleOptimizer):
+            return optimizer
+        optimizer = optimizer.inner_optimizer
+    return None
+
+
+def _parse_update_freq(update_freq):
+    if update_freq == "epoch":
+        return None
+    if update_freq == "batch":
+        return 1
+    if (
+        isinstance(update_freq, int)
+        and not isinstance(update_freq, bool)
+        and update_freq >= 1
+    ):
+        return update_freq
+    raise ValueError(
+        "`update_freq` must be 'epoch', 'batch' or a positive int (every that "
+        f"many batches). Received: update_freq={update_freq!r}"
+    )
+
+
+class LossScaleLogger(keras.callbacks.Callback):
+    """Adds `loss_scale` and `skipped_steps` to the logs of `fit`.
+
+    With a keras_mp `LossScaleOptimizer` (also one wrapped in another
+    `OptimizerWrapper`), `Model.fit` adds this callback by itself, first in
+    the list, so the two values reach every callback after it: `History`,
+    `CSVLogger`, `TensorBoard`, `EarlyStopping(monitor="loss_scale")` and
+    the progress bar. Pass `log_loss_scale=False` to `fit` to leave it out,
+    or pass your own `LossScaleLogger` (then `fit` adds none) to choose
+    `update_freq`. A `LossScaleLogger` you add yourself must come before the
+    callbacks that should see the values.
+
+    `loss_scale` is the current scale (a float); `skipped_steps` counts the
+    steps skipped for non-finite gradients since the optimizer was created
+    (an int, like `optimizer.iterations` never reset between epochs).
+
+    Reading them costs a device-to-host copy of two scalars. With the
+    default `update_freq="epoch"` this happens once per epoch, where Keras
+    synchronizes anyway to compute the epoch's logs, and the callback is
+    `async_safe`: Keras keeps dispatching batch callbacks in a worker
+    thread. With a per-batch `update_freq` the values are read at the batch
+    end, right after Keras has converted that step's logs to Python floats
+    (so the step is already finished and the read adds no wait on the
+    device), but batch callbacks then run in the training thread, as
+    Keras must for any callback that reads state per batch; on JAX the
+    values come from the step's output state, without writing every
+    variable back to the model.
+
+    Args:
+        update_freq: `"epoch"` to add the values to epoch logs only,
+            `"batch"` to add them to every batch's logs too (the progress
+            bar then shows them live, `TensorBoard(update_freq=...)` can
+            plot them per batch), or an int `N` for every `N` batches.
+            Epoch logs always get them. Defaults to `"epoch"`.
+
+    Example:
+
+    >>> keras_mp.set_global_policy(
+    ...     keras_mp.Policy("mixed_bfloat16", loss_scale="dynamic")
+    ... )
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model.compile(keras.optimizers.SGD(0.1), loss="mse")
+    >>> history = model.fit(np.ones((8, 2)), np.ones((8, 1)), verbose=0)
+    >>> history.history["loss_scale"], history.history["skipped_steps"]
+    ([32768.0], [0])
+    >>> keras_mp.set_global_policy(None)
+    """
+
+    def __init__(self, update_freq="epoch"):
+        super().__init__()
+        self._batch_period = _parse_update_freq(update_freq)
+        self.update_freq = update_freq
+        self._optimizer = None
+
+    @property
+    def async_safe(self):
+        # Keras dispatches batch-end callbacks in a worker thread only when
+        # every callback says it is safe there. Reading the optimizer state
+        # from that thread would race the next step (on JAX, whose step
+        # donates the very buffers being read), so per-batch reading is not.
+        return self._batch_period is None
+
+    def on_train_begin(self, logs=None):
+        optimizer = getattr(self._model, "optimizer", None)
+        self._optimizer = find_loss_scale_optimizer(optimizer)
+        if self._optimizer is None:
+            raise ValueError(
+                "LossScaleLogger needs a model whose optimizer is, or wraps, a "
+                "keras_mp.LossScaleOptimizer. Received: "
+                f"optimizer={optimizer!r}. Compile under a policy with a loss "
+                "scale (e.g. "
+                "keras_mp.set_global_policy('mixed_float16')), or wrap the "
+                "optimizer in keras_mp.LossScaleOptimizer."
+            )
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (
+            logs is not None
+            and self._batch_period is not None
+            and (batch + 1) % self._batch_period == 0
+        ):
+            logs.update(self._read())
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs.update(self._read())
+
+    def _read(self):
+        optimizer = self._optimizer
+        if not optimizer.built:
+            return {}
+        scale = optimizer.loss_scale
+        variables = scale.variables + [optimizer.skipped_steps]
+        values = training_state.latest_values(self._model, variables)
+        # Any LossScale computes its value from its variables; mapping them to
+        # the values just read gives it without touching the live ones.
+        mapping = list(zip(variables, values))
+        with keras.StatelessScope(state_mapping=mapping):
+            loss_scale = float(ops.convert_to_numpy(scale()))
+        return {"loss_scale": loss_scale, "skipped_steps": int(values[-1])}

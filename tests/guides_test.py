@@ -1,0 +1,101 @@
+"""Every script in guides/ and examples/ runs to the end on this backend.
+
+Each runs in a fresh interpreter with KERAS_MP_QUICK=1 (a few steps; the
+scripts read it) on the backend of the test session. A script named
+`*_<backend>.py` (e.g. `custom_train_step_jax.py`) runs only on that
+backend. New scripts are picked up by the glob.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import keras
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCRIPTS = sorted(
+    [*ROOT.glob("guides/*.py"), *ROOT.glob("examples/*.py")],
+    key=lambda path: str(path.relative_to(ROOT)),
+)
+_BACKENDS = ("tensorflow", "jax", "torch", "numpy", "openvino")
+
+
+def _only_backend(script):
+    for backend in _BACKENDS:
+        if script.stem.endswith(f"_{backend}"):
+            return backend
+    return None
+
+
+def _run(script, *args):
+    env = dict(os.environ)
+    env.update(
+        KERAS_BACKEND=keras.backend.backend(),
+        KERAS_MP_QUICK="1",
+        MPLBACKEND="Agg",
+        TF_CPP_MIN_LOG_LEVEL="3",
+        PYTHONPATH=os.pathsep.join(
+            [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
+        ),
+    )
+    result = subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, (
+        f"{script.name} exited {result.returncode}\nstdout:\n"
+        f"{result.stdout[-4000:]}\nstderr:\n{result.stderr[-6000:]}"
+    )
+    return result.stdout
+
+
+def test_guides_and_examples_are_found():
+    names = {str(path.relative_to(ROOT)) for path in SCRIPTS}
+    assert {
+        "examples/quickstart.py",
+        "guides/mixed_precision_with_fit.py",
+        "guides/custom_training_loops.py",
+        "guides/writing_an_optimizer_wrapper.py",
+    } <= names
+
+
+# Run by the dedicated tests below, which also check what they produce.
+_CHECKED_SEPARATELY = {
+    "examples/quickstart.py",
+    "guides/mixed_precision_with_fit.py",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "script",
+    [s for s in SCRIPTS if str(s.relative_to(ROOT)) not in _CHECKED_SEPARATELY],
+    ids=lambda path: str(path.relative_to(ROOT)),
+)
+def test_script_runs_with_tiny_step_counts(script):
+    only = _only_backend(script)
+    if only is not None and only != keras.backend.backend():
+        pytest.skip(f"{script.name} runs on the {only} backend only")
+    _run(script)
+
+
+@pytest.mark.slow
+def test_mixed_precision_guide_writes_the_loss_scale_plot(tmp_path):
+    plot = tmp_path / "plots" / "loss_scale.png"
+    script = ROOT / "guides" / "mixed_precision_with_fit.py"
+    output = _run(script, "--plot", str(plot))
+    assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert str(plot) in output
+
+
+@pytest.mark.slow
+def test_quickstart_prints_accuracy_step_times_and_the_loss_scale():
+    output = _run(ROOT / "examples" / "quickstart.py")
+    for expected in ("test accuracy", "median step", "speed-up", "Loss scale:"):
+        assert expected in output
