@@ -146,9 +146,10 @@ def show_specifications():
 
 # ## 2. Clipping, noise and decoupled weight decay in fit
 #
-# Transforms run in the order given. Clipping first bounds the global norm,
-# so the noise that follows is small next to every gradient (the noise step
-# of differentially private SGD, with `ClipByNorm` per example there).
+# Transforms run in the order given. Clipping first bounds the global norm
+# of each step's gradients, so the noise added next has a known size next
+# to them (the recipe of differentially private SGD, which clips each
+# example's gradients with `ClipByNorm` before adding the noise).
 # `DecoupledWeightDecay` leaves the gradients alone: it decays the
 # variables by `weight_decay * learning_rate`, as Keras's `weight_decay`
 # argument does (AdamW), before the inner optimizer's update and only on

@@ -44,6 +44,14 @@ def wrap_for_policy(optimizer, policy):
     return LossScaleOptimizer(optimizer, loss_scale=loss_scale)
 
 
+def _wraps_loss_scale_optimizer(optimizer):
+    return (
+        isinstance(optimizer, keras.optimizers.Optimizer)
+        and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        and _contains_loss_scale_optimizer(optimizer)
+    )
+
+
 def _install_compile_hook():
     trainer = _keras_internals.Trainer
     original = trainer.compile
@@ -65,15 +73,10 @@ def _install_compile_hook():
             else:
                 optimizer = wrap_for_policy(arguments["optimizer"], policy)
                 arguments["optimizer"] = optimizer
-                if isinstance(
-                    optimizer, keras.optimizers.Optimizer
-                ) and not isinstance(
-                    optimizer, keras.optimizers.LossScaleOptimizer
-                ):
+                if _wraps_loss_scale_optimizer(optimizer):
                     # Keras checks only the outermost optimizer; one that
                     # wraps a LossScaleOptimizer must not be wrapped again.
-                    if _contains_loss_scale_optimizer(optimizer):
-                        arguments["auto_scale_loss"] = False
+                    arguments["auto_scale_loss"] = False
         result = original(*bound.args, **bound.kwargs)
         compile_config = getattr(self, "_compile_config", None)
         if not arguments["auto_scale_loss"] and compile_config is not None:

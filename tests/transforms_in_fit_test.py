@@ -149,3 +149,36 @@ def test_decoupled_weight_decay_transform_matches_keras_weight_decay():
     )
     for a, b in zip(ours, keras_way):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@keras_mp.transforms.register_transform("running_sum", package="keras_mp_tests")
+class RunningSum(keras_mp.transforms.Transform):
+    """Per-variable state, to check state keys survive a reload."""
+
+    def build(self, var_list):
+        self.sums = [
+            self.add_variable_from_reference(v, "sum") for v in var_list
+        ]
+
+    def call(self, grads_and_vars):
+        for total, (grad, _) in zip(self.sums, grads_and_vars):
+            total.assign(total + grad)
+        return grads_and_vars
+
+
+def test_per_variable_state_of_a_model_sets_its_reloaded_copy(tmp_path):
+    model = _model()
+    model.compile(
+        keras_mp.OptimizerWrapper(
+            keras.optimizers.SGD(0.1), transform_gradients=["running_sum"]
+        ),
+        "mse",
+    )
+    _fit(model)
+    path = str(tmp_path / "sums.keras")
+    model.save(path)
+    restored = keras.saving.load_model(path)
+    state = model.optimizer.get_state()
+    restored.optimizer.set_state(state)
+    for key, value in restored.optimizer.get_state().items():
+        assert_bitwise_equal(value, state[key], msg=key)

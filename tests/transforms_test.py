@@ -414,8 +414,8 @@ def test_per_variable_state_is_named_after_model_variables():
     out.append(_run(momentum, [np.ones((2, 2)), np.ones(2)], [kernel, bias]))
     assert_close(out[1][1], np.full(2, 1.5))
     assert sorted(momentum.get_state()) == [
-        "momentum_for_tests/v0_moment",
-        "momentum_for_tests/v1_moment",
+        "momentum_for_tests/moment_0",
+        "momentum_for_tests/moment_1",
     ]
 
 
@@ -624,7 +624,7 @@ def test_get_state_set_state_round_trip_replays_the_same_steps():
     assert sorted(state) == [
         "adaptive_clip_by_global_norm/norm_average",
         "gaussian_noise/seed_generator_state",
-        "momentum_for_tests/v0_moment",
+        "momentum_for_tests/moment_0",
     ]
     assert all(isinstance(value, np.ndarray) for value in state.values())
     first = _run(chain, [np.array([10.0, 0.0, 0.0])], variables)[0]
@@ -651,7 +651,7 @@ def test_mismatched_state_raises_and_leaves_state_bit_identical(mismatch):
     bad = {key: np.copy(value) for key, value in before.items()}
     # A valid change to the first key, so that a partial assign would show.
     bad["adaptive_clip_by_global_norm/norm_average"] = np.array(7.0, "float32")
-    last = "momentum_for_tests/v0_moment"
+    last = "momentum_for_tests/moment_0"
     if mismatch == "extra key":
         bad["unknown/variable"] = np.zeros(1, "float32")
         match = "unknown/variable"

@@ -92,13 +92,18 @@ def all_reduce_sum(grads):
         return grads
     import tensorflow as tf
 
-    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+    if (
+        not tf.distribute.has_strategy()
+        or tf.distribute.in_cross_replica_context()
+    ):
         return grads
     replica_context = tf.distribute.get_replica_context()
     present = [g for g in grads if g is not None]
     if not present or replica_context.num_replicas_in_sync == 1:
         return grads
-    reduced = iter(replica_context.all_reduce(tf.distribute.ReduceOp.SUM, present))
+    reduced = iter(
+        replica_context.all_reduce(tf.distribute.ReduceOp.SUM, present)
+    )
     return [None if g is None else next(reduced) for g in grads]
 
 

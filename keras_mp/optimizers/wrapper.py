@@ -44,7 +44,6 @@ class _WrapperState(_keras_internals.KerasSaveable):
         # lead it back to the wrapper in a cycle.
         self._wrapper_ref = weakref.ref(wrapper)
 
-
     def _obj_type(self):
         return "Optimizer"
 
@@ -153,7 +152,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
                 f"{owner!r}; two wrappers cannot share one inner optimizer. "
                 "Wrap a fresh optimizer, or wrap the existing wrapper."
             )
-        if aggregate_gradients is not None and not callable(aggregate_gradients):
+        if aggregate_gradients is not None and not callable(
+            aggregate_gradients
+        ):
             raise TypeError(
                 "`aggregate_gradients` must be a callable taking and returning "
                 f"grads_and_vars. Received: {aggregate_gradients!r}"
@@ -370,7 +371,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         """Stage 6: the inner optimizer updates the variables."""
         inner = self._inner_optimizer
         if _is_wrapper(inner):
-            inner.apply_gradients(grads_and_vars, skip_gradients_aggregation=True)
+            inner.apply_gradients(
+                grads_and_vars, skip_gradients_aggregation=True
+            )
             return
         grads = [g for g, _ in grads_and_vars]
         variables = [v for _, v in grads_and_vars]
@@ -450,7 +453,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
                 self.build([v for _, v in grads_and_vars])
         self._check_gradient_dtypes(grads_and_vars)
         if not skip_gradients_aggregation:
-            grads_and_vars = self.transform_unaggregated_gradients(grads_and_vars)
+            grads_and_vars = self.transform_unaggregated_gradients(
+                grads_and_vars
+            )
             grads_and_vars = self.aggregate_gradients(grads_and_vars)
         self.run_step(grads_and_vars)
         return self.iterations
@@ -502,7 +507,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         def skipped():
             return current
 
-        for target, value in zip(targets, ops.cond(condition, applied, skipped)):
+        for target, value in zip(
+            targets, ops.cond(condition, applied, skipped)
+        ):
             target.assign(value)
 
     def _check_gradient_dtypes(self, grads_and_vars):
@@ -513,7 +520,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             var_dtype = keras.backend.standardize_dtype(
                 _keras_internals.stored_dtype(variable)
             )
-            if grad_dtype != var_dtype and keras.backend.is_float_dtype(var_dtype):
+            if grad_dtype != var_dtype and keras.backend.is_float_dtype(
+                var_dtype
+            ):
                 raise ValueError(
                     f"The gradient of variable {variable.path!r} is "
                     f"{grad_dtype} but the variable is {var_dtype}; gradients "
@@ -552,8 +561,10 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             config.pop("optimizer"), custom_objects=custom_objects
         )
         if config.get("aggregate_gradients") is not None:
-            config["aggregate_gradients"] = keras.saving.deserialize_keras_object(
-                config["aggregate_gradients"], custom_objects=custom_objects
+            config["aggregate_gradients"] = (
+                keras.saving.deserialize_keras_object(
+                    config["aggregate_gradients"], custom_objects=custom_objects
+                )
             )
         return cls(optimizer, **config)
 

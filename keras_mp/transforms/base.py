@@ -106,6 +106,7 @@ def _guarded_build(build):
             build(self, var_list)
             return
         created = len(self._variables)
+        counts = dict(self._reference_counts)
         self._building = True
         try:
             with keras.name_scope(self.name):
@@ -114,6 +115,7 @@ def _guarded_build(build):
             # A failed build leaves no half-made state behind, so a retry
             # does not create the variables twice.
             del self._variables[created:]
+            self._reference_counts = counts
             raise
         finally:
             self._building = False
@@ -173,6 +175,7 @@ class Transform:
         self.built = False
         self._optimizer = None
         self._variables = []
+        self._reference_counts = {}
 
     @property
     def optimizer(self):
@@ -245,8 +248,11 @@ class Transform:
     ):
         """Creates a state variable shaped like a model variable.
 
-        For per-variable state such as moments. The variable is named after
-        the model variable's path, as Keras optimizers name their slots.
+        For per-variable state such as moments. The variable is named
+        `"<name>_<i>"`, `i` counting the variables made here with that name:
+        by position, not by the model variable's path, which Keras changes
+        when a model is reloaded, so `get_state()` of a model sets the state
+        of its reloaded copy.
 
         Args:
             reference_variable: The model variable.
@@ -259,12 +265,13 @@ class Transform:
         """
         if dtype is None:
             dtype = _keras_internals.stored_dtype(reference_variable)
-        path = getattr(reference_variable, "path", reference_variable.name)
+        count = self._reference_counts.get(name, 0)
+        self._reference_counts[name] = count + 1
         return self.add_variable(
             shape=reference_variable.shape,
             initializer=initializer,
             dtype=dtype,
-            name=f"{path.replace('/', '_')}_{name}",
+            name=f"{name}_{count}",
         )
 
     def _track_variable(self, variable):
