@@ -361,17 +361,10 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        # Keras's and tf.keras's name for the wrapped optimizer.
         config = dict(config)
-        inner = keras.saving.deserialize_keras_object(
-            config.pop("inner_optimizer"), custom_objects=custom_objects
-        )
-        if config.get("aggregate_gradients") is not None:
-            config["aggregate_gradients"] = (
-                keras.saving.deserialize_keras_object(
-                    config["aggregate_gradients"], custom_objects=custom_objects
-                )
-            )
-        return cls(inner, **config)
+        config["optimizer"] = config.pop("inner_optimizer")
+        return super().from_config(config, custom_objects=custom_objects)
 
 
 def _all_finite(grads):

@@ -466,6 +466,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         Subclasses that may skip a step (as `LossScaleOptimizer` does on
         overflow) override this and call `apply_if(condition, ...)`.
         """
+        self._transform_and_apply(grads_and_vars)
+
+    def _transform_and_apply(self, grads_and_vars):
         self.apply_updates(self.transform_gradients(grads_and_vars))
 
     def apply_if(self, condition, grads_and_vars):
@@ -477,31 +480,23 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         and its results are selected, so this also works in `jax.jit` and in
         `stateless_apply`.
         """
-        variables = [v for _, v in grads_and_vars]
-
-        def step():
-            self.apply_updates(self.transform_gradients(grads_and_vars))
-
         if keras.backend.backend() == "tensorflow":
             # The update's inputs go in as an argument, not in a closure:
             # under tf.distribute the condition is taken in cross-replica
             # context, and each replica's update then runs with that
             # replica's gradients (see `cond_update`).
             backend_gradients.cond_update(
-                condition,
-                lambda grads_and_vars: self.apply_updates(
-                    self.transform_gradients(grads_and_vars)
-                ),
-                grads_and_vars,
+                condition, self._transform_and_apply, grads_and_vars
             )
             return
+        variables = [v for _, v in grads_and_vars]
         targets = _unique(variables + self.variables)
         current = [t.value for t in targets]
 
         def applied():
             mapping = list(zip(targets, current))
             with keras.StatelessScope(state_mapping=mapping) as scope:
-                step()
+                self._transform_and_apply(grads_and_vars)
             return [scope.get_current_value(t) for t in targets]
 
         def skipped():
