@@ -12,18 +12,17 @@ column (`1.23x`). A script
 named `*_<backend>.py` runs only on that backend.
 """
 
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import keras
 import pytest
 
+from keras_mp.testing import run_script
+from keras_mp.testing import script_backend
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(ROOT.glob("benchmarks/*.py"))
-_BACKENDS = ("tensorflow", "jax", "torch", "numpy", "openvino")
 
 # The smallest value of each step-count flag a benchmark may define.
 _SMALLEST = {
@@ -36,13 +35,6 @@ _SMALLEST = {
 _FLAG = re.compile(r"add_argument\(\s*[\"'](--[\w-]+)[\"']")
 # `a/b = 1.234`, a ratio table's row `a/b   1.234   1.201`, or `1.23x`.
 _RATIO = re.compile(r"\w+/\w+(?: =|\s)\s*\d+\.\d+|\d+\.\d+x\b")
-
-
-def _only_backend(script):
-    for backend in _BACKENDS:
-        if script.stem.endswith(f"_{backend}"):
-            return backend
-    return None
 
 
 def smallest_flags(script):
@@ -71,32 +63,12 @@ def test_benchmarks_are_found():
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.name)
 def test_benchmark_runs_with_the_smallest_flags_and_prints_a_ratio(script):
-    only = _only_backend(script)
+    only = script_backend(script)
     if only is not None and only != keras.backend.backend():
         pytest.skip(f"{script.name} runs on the {only} backend only")
     args = smallest_flags(script)
-    env = dict(os.environ)
-    env.update(
-        KERAS_BACKEND=keras.backend.backend(),
-        KERAS_MP_QUICK="1",
-        TF_CPP_MIN_LOG_LEVEL="3",
-        PYTHONPATH=os.pathsep.join(
-            [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
-        ),
-    )
-    result = subprocess.run(
-        [sys.executable, str(script), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, (
-        f"{script.name} {' '.join(args)} exited {result.returncode}\n"
-        f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-6000:]}"
-    )
-    assert _RATIO.search(result.stdout), (
+    stdout = run_script(script, *args, env={"KERAS_MP_QUICK": "1"}, timeout=300)
+    assert _RATIO.search(stdout), (
         f"{script.name} {' '.join(args)} printed no ratio (`a/b = 1.234` "
-        f"or `a/b  1.234`) nor speed-up (`1.23x`):\n{result.stdout[-4000:]}"
+        f"or `a/b  1.234`) nor speed-up (`1.23x`):\n{stdout[-4000:]}"
     )

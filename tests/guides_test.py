@@ -6,53 +6,28 @@ scripts read it) on the backend of the test session. A script named
 backend. New scripts are picked up by the glob.
 """
 
-import os
 import pathlib
-import subprocess
-import sys
 
 import keras
 import pytest
+
+from keras_mp.testing import run_script
+from keras_mp.testing import script_backend
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(
     [*ROOT.glob("guides/*.py"), *ROOT.glob("examples/*.py")],
     key=lambda path: str(path.relative_to(ROOT)),
 )
-_BACKENDS = ("tensorflow", "jax", "torch", "numpy", "openvino")
-
-
-def _only_backend(script):
-    for backend in _BACKENDS:
-        if script.stem.endswith(f"_{backend}"):
-            return backend
-    return None
 
 
 def _run(script, *args):
-    env = dict(os.environ)
-    env.update(
-        KERAS_BACKEND=keras.backend.backend(),
-        KERAS_MP_QUICK="1",
-        MPLBACKEND="Agg",
-        TF_CPP_MIN_LOG_LEVEL="3",
-        PYTHONPATH=os.pathsep.join(
-            [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
-        ),
-    )
-    result = subprocess.run(
-        [sys.executable, str(script), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
+    return run_script(
+        script,
+        *args,
+        env={"KERAS_MP_QUICK": "1", "MPLBACKEND": "Agg"},
         timeout=300,
     )
-    assert result.returncode == 0, (
-        f"{script.name} exited {result.returncode}\nstdout:\n"
-        f"{result.stdout[-4000:]}\nstderr:\n{result.stderr[-6000:]}"
-    )
-    return result.stdout
 
 
 def test_guides_and_examples_are_found():
@@ -79,7 +54,7 @@ _CHECKED_SEPARATELY = {
     ids=lambda path: str(path.relative_to(ROOT)),
 )
 def test_script_runs_with_tiny_step_counts(script):
-    only = _only_backend(script)
+    only = script_backend(script)
     if only is not None and only != keras.backend.backend():
         pytest.skip(f"{script.name} runs on the {only} backend only")
     _run(script)

@@ -1,6 +1,7 @@
 """Helpers shared by the keras_mp test suite (not imported by the library)."""
 
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -11,6 +12,8 @@ __all__ = [
     "assert_bitwise_equal",
     "assert_close",
     "run_python",
+    "run_script",
+    "script_backend",
     "tolerance",
     "to_numpy",
 ]
@@ -67,18 +70,62 @@ def run_python(code, env=None, timeout=600):
     Raises:
         AssertionError: with the child's output, if it exits non-zero.
     """
+    return _run_child(["-c", textwrap.dedent(code)], env, timeout, None)
+
+
+def run_script(path, *args, env=None, timeout=600):
+    """Runs a script (a guide, an example, a benchmark) on the active backend.
+
+    The child runs from the repository root with the same `KERAS_BACKEND`,
+    the repository on `PYTHONPATH` and `env` on top.
+
+    Returns:
+        The child's stdout.
+
+    Raises:
+        AssertionError: with the child's output, if it exits non-zero.
+    """
+    import keras
+
+    path = pathlib.Path(path).resolve()
+    root = path.parent.parent
+    full_env = {
+        "KERAS_BACKEND": keras.backend.backend(),
+        "PYTHONPATH": os.pathsep.join(
+            [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
+    }
+    full_env.update(env or {})
+    return _run_child([str(path), *args], full_env, timeout, root)
+
+
+_BACKENDS = ("tensorflow", "jax", "torch", "numpy", "openvino")
+
+
+def script_backend(path):
+    """The backend a script is for (`*_jax.py`, ...), or None for any."""
+    stem = pathlib.Path(path).stem
+    for backend in _BACKENDS:
+        if stem.endswith(f"_{backend}"):
+            return backend
+    return None
+
+
+def _run_child(argv, env, timeout, cwd):
     full_env = dict(os.environ)
     full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     full_env.update(env or {})
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
+        [sys.executable, *argv],
+        cwd=cwd,
         env=full_env,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
     assert result.returncode == 0, (
-        f"child exited {result.returncode}\nstdout:\n{result.stdout}\n"
+        f"{' '.join(argv[:1] if argv[0] == '-c' else argv)} exited "
+        f"{result.returncode}\nstdout:\n{result.stdout[-4000:]}\n"
         f"stderr:\n{result.stderr[-6000:]}"
     )
     return result.stdout
