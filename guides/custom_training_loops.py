@@ -16,6 +16,20 @@ section that runs is chosen by the backend:
 Both then feed one batch that overflows and check that the step was skipped
 with every weight left bit for bit as it was.
 
+How the optimizer knows whether to divide by the scale: it records, while
+the step is built, what you called since the last update.
+
+- `scale_loss` / `get_scaled_loss` / `minimize` (the loss was scaled): the
+  gradients given to `apply`/`apply_gradients` are divided by the scale.
+- `get_unscaled_gradients` (RFC 293): they are not divided again, whatever
+  you did to them in between (clipping, `g * 1.0`, casting).
+- Neither (the `train_step` of Keras's "customizing fit" guides, which
+  never scales its loss): the gradients are applied as they are, which is
+  right, and a warning says that float16 gradients then get no protection
+  from underflow, with the one line to add: `loss =
+  self.optimizer.scale_loss(loss)`. Gradients you multiplied by the scale
+  yourself count as unscaled: go through `scale_loss` instead.
+
     python guides/custom_training_loops.py            # TensorFlow section
     KERAS_BACKEND=jax python guides/custom_training_loops.py
     python guides/custom_training_loops.py --quick    # a few steps (CI)
@@ -131,9 +145,10 @@ def tensorflow_minimize(model, optimizer, loss_fn, steps):
 
 
 # The explicit RFC 293 form, as tf.keras code wrote it: scale the loss inside
-# the tape, unscale the gradients, apply. `apply_gradients` sees that these
-# gradients were unscaled already and does not divide them again; it still
-# checks them and skips the step on overflow.
+# the tape, unscale the gradients, apply. `apply_gradients` knows that
+# `get_unscaled_gradients` ran in this step and does not divide again, even
+# after clipping; it still checks the gradients and skips the step on
+# overflow.
 
 
 def tensorflow_explicit(model, optimizer, loss_fn, steps):

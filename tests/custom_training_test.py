@@ -10,6 +10,8 @@ applied steps and skipped steps, including through overflowing steps.
 import importlib.util
 import pathlib
 
+import keras
+import numpy as np
 import pytest
 
 import keras_mp
@@ -96,3 +98,139 @@ def test_jax_stateless_train_step_trains_as_fit_does(monkeypatch):
         "custom_train_step_jax", monkeypatch
     )
     _assert_same_training(custom, plain)
+
+
+# The custom `train_step` of Keras's "Customizing what happens in fit()"
+# guides, verbatim per backend: gradients of the unscaled loss go straight to
+# `optimizer.apply`/`stateless_apply`, with no `scale_loss`. Under a
+# mixed_float16 policy `compile` wraps the optimizer in a LossScaleOptimizer;
+# it must apply those gradients as they are (not divided by 2**15) and say
+# that the loss is not scaled.
+
+
+def _guide_model_class():
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        class GuideModel(keras.Model):
+            def train_step(self, data):
+                x, y = data
+                with tf.GradientTape() as tape:
+                    y_pred = self(x, training=True)
+                    loss = self.compute_loss(y=y, y_pred=y_pred)
+                trainable_vars = self.trainable_variables
+                gradients = tape.gradient(loss, trainable_vars)
+                self.optimizer.apply(gradients, trainable_vars)
+                return {"loss": loss}
+
+    elif backend == "jax":
+        import jax
+
+        class GuideModel(keras.Model):
+            def compute_loss_and_updates(
+                self, trainable_variables, non_trainable_variables, x, y
+            ):
+                y_pred, non_trainable_variables = self.stateless_call(
+                    trainable_variables,
+                    non_trainable_variables,
+                    x,
+                    training=True,
+                )
+                loss = self.compute_loss(x, y, y_pred)
+                return loss, (y_pred, non_trainable_variables)
+
+            def train_step(self, state, data):
+                (
+                    trainable_variables,
+                    non_trainable_variables,
+                    optimizer_variables,
+                    metrics_variables,
+                ) = state
+                x, y = data
+                grad_fn = jax.value_and_grad(
+                    self.compute_loss_and_updates, has_aux=True
+                )
+                (loss, (_, non_trainable_variables)), grads = grad_fn(
+                    trainable_variables, non_trainable_variables, x, y
+                )
+                trainable_variables, optimizer_variables = (
+                    self.optimizer.stateless_apply(
+                        optimizer_variables, grads, trainable_variables
+                    )
+                )
+                state = (
+                    trainable_variables,
+                    non_trainable_variables,
+                    optimizer_variables,
+                    metrics_variables,
+                )
+                return {"loss": loss}, state
+
+    else:
+        import torch
+
+        class GuideModel(keras.Model):
+            def train_step(self, data):
+                x, y = data
+                self.zero_grad()
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(y=y, y_pred=y_pred)
+                loss.backward()
+                trainable_weights = [v for v in self.trainable_weights]
+                gradients = [v.value.grad for v in trainable_weights]
+                with torch.no_grad():
+                    self.optimizer.apply(gradients, trainable_weights)
+                return {"loss": loss}
+
+    return GuideModel
+
+
+def _guide_data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype("float32")
+    y = (x @ np.array([1.0, -2.0, 0.5, 3.0], "float32"))[:, None]
+    return x, y
+
+
+def _build(model_class):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    outputs = keras.layers.Dense(1, dtype="float32")(hidden)
+    return model_class(inputs, outputs)
+
+
+def test_keras_guide_train_step_under_mixed_float16_applies_full_updates():
+    x, y = _guide_data()
+    models = {}
+    # Reference: `fit` under the same float16 compute with no loss scaling,
+    # which is exactly what the guide's step computes.
+    for name, policy, model_class in (
+        ("guide", "mixed_float16", _guide_model_class()),
+        ("unscaled", keras_mp.Policy("mixed_float16", None), keras.Model),
+    ):
+        keras_mp.set_global_policy(policy)
+        model = _build(model_class)
+        initial = [to_numpy(w) for w in model.trainable_weights]
+        model.compile(keras.optimizers.SGD(0.05), loss="mse")
+        if name == "guide":
+            assert isinstance(model.optimizer, keras_mp.LossScaleOptimizer)
+            with pytest.warns(UserWarning, match="did not scale"):
+                model.fit(x, y, batch_size=16, epochs=2, shuffle=False)
+        else:
+            assert not isinstance(
+                model.optimizer, keras.optimizers.LossScaleOptimizer
+            )
+            model.fit(x, y, batch_size=16, epochs=2, shuffle=False)
+        models[name] = model
+    for guide_w, reference_w, start in zip(
+        models["guide"].trainable_weights,
+        models["unscaled"].trainable_weights,
+        initial,
+    ):
+        # Training moved each weight far more than float16 rounding...
+        assert np.abs(to_numpy(reference_w) - start).max() > 1e-2
+        # ...and the guide's step moved it the same way, not 2**15 less.
+        assert_close(guide_w, reference_w, dtype="float16", msg=guide_w.path)
+    assert int(to_numpy(models["guide"].optimizer.iterations)) == 8

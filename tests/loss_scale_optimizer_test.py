@@ -31,7 +31,10 @@ def _grads(scale, poison=None):
 
 
 def _apply(optimizer, grads, variables):
-    """One step, stateful on TensorFlow and stateless on JAX (as `fit`)."""
+    """One step of a scaled loss's gradients, as `fit` runs it: stateless on
+    JAX, stateful elsewhere, after `scale_loss` (which marks `grads` as the
+    gradients of a scaled loss, to be unscaled by the optimizer)."""
+    optimizer.scale_loss(1.0)
     if BACKEND != "jax":
         optimizer.apply(grads, variables)
         return
@@ -135,6 +138,7 @@ def test_rfc293_style_and_keras3_style_give_identical_updates():
         variables = _variables()
         optimizer.build(variables)
         grads = _grads(256.0)
+        optimizer.get_scaled_loss(1.0)
         if style == "rfc293":
             grads = optimizer.get_unscaled_gradients(grads)
         optimizer.apply_gradients(zip(grads, variables))
@@ -291,3 +295,138 @@ def test_float16_gradients_for_float32_variables_name_the_variable():
     variable = keras.Variable([1.0, 2.0], name="kernel_x")
     with pytest.raises(ValueError, match="kernel_x.*float16"):
         optimizer.apply_gradients([(ops.ones((2,), dtype="float16"), variable)])
+
+
+# ---------------------------------------------------------------------------
+# Regression tests of ordinary paths that used to give silent wrong results.
+
+
+def _rfc293_gradients(optimizer, variable, coefficients):
+    """Gradients of `get_scaled_loss(sum(variable * coefficients))`."""
+    from keras_mp.backend import gradients as backend_gradients
+
+    def scaled_loss():
+        return optimizer.get_scaled_loss(
+            ops.sum(variable * ops.convert_to_tensor(coefficients))
+        )
+
+    return backend_gradients.compute_gradients(scaled_loss, [variable])
+
+
+def _clip_by_global_norm_that_clips_nothing(grads):
+    norm = ops.sqrt(sum(ops.sum(ops.square(g)) for g in grads))
+    factor = ops.minimum(1.0, ops.divide(1e6, norm))
+    return [g * factor for g in grads]
+
+
+@pytest.mark.parametrize(
+    "post_process",
+    [
+        lambda grads: grads,
+        lambda grads: [g * 1.0 for g in grads],
+        lambda grads: [ops.clip(g, -1e6, 1e6) for g in grads],
+        _clip_by_global_norm_that_clips_nothing,
+    ],
+    ids=["identity", "times_one", "clip", "clip_by_global_norm"],
+)
+def test_rfc293_loop_with_post_processing_unscales_exactly_once(post_process):
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), loss_scale=keras_mp.DynamicLossScale(1024)
+    )
+    variable = keras.Variable([1.0, 2.0])
+    coefficients = np.array([0.25, -0.5], "float32")
+    scaled = _rfc293_gradients(optimizer, variable, coefficients)
+    assert_close(scaled[0], coefficients * 1024)
+    grads = post_process(optimizer.get_unscaled_gradients(scaled))
+    optimizer.apply_gradients(zip(grads, [variable]))
+    assert_close(variable, np.array([1.0, 2.0]) - 0.1 * coefficients)
+
+
+@pytest.mark.backends("tensorflow")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_rfc293_tape_loop_with_clipping_unscales_exactly_once(compiled):
+    import tensorflow as tf
+
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), loss_scale=keras_mp.DynamicLossScale(1024)
+    )
+    variable = keras.Variable([1.0, 2.0])
+    coefficients = tf.constant([0.25, -0.5])
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(variable.value * coefficients)
+            scaled_loss = optimizer.get_scaled_loss(loss)
+        scaled_grads = tape.gradient(scaled_loss, [variable.value])
+        grads = optimizer.get_unscaled_gradients(scaled_grads)
+        grads, _ = tf.clip_by_global_norm(grads, 1e6)
+        optimizer.apply_gradients(zip(grads, [variable]))
+
+    (tf.function(step) if compiled else step)()
+    assert_close(variable, [1.0 - 0.025, 2.0 + 0.05])
+
+
+def test_keras3_loop_still_unscales_after_post_processing():
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), loss_scale=keras_mp.DynamicLossScale(1024)
+    )
+    variable = keras.Variable([1.0, 2.0])
+    coefficients = np.array([0.25, -0.5], "float32")
+    scaled = _rfc293_gradients(optimizer, variable, coefficients)
+    optimizer.apply([ops.clip(scaled[0], -1e6, 1e6)], [variable])
+    assert_close(variable, np.array([1.0, 2.0]) - 0.1 * coefficients)
+
+
+def test_gradients_of_an_unscaled_loss_are_applied_undivided_with_a_warning():
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), loss_scale=keras_mp.DynamicLossScale(1024)
+    )
+    variable = keras.Variable([1.0, 2.0])
+    with pytest.warns(UserWarning, match="scale_loss"):
+        optimizer.apply([ops.array([0.25, -0.5])], [variable])
+    assert_close(variable, [1.0 - 0.025, 2.0 + 0.05])
+    # Non-finite gradients of an unscaled loss are still skipped.
+    before = to_numpy(variable)
+    optimizer.apply([ops.array([np.inf, 0.0])], [variable])
+    assert_bitwise_equal(variable, before)
+    assert int(to_numpy(optimizer.skipped_steps)) == 1
+    assert float(to_numpy(optimizer.loss_scale())) == 512.0
+
+
+def test_two_optimizers_cannot_share_one_loss_scale():
+    scale = keras_mp.DynamicLossScale(1024)
+    first = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), loss_scale=scale
+    )
+    assert first.loss_scale is scale
+    with pytest.raises(ValueError, match="already belongs to"):
+        keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), loss_scale=scale)
+    # Each optimizer given its own scale keeps its own state: an overflow in
+    # one neither skips nor rescales the other.
+    second = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1),
+        loss_scale=type(scale).from_config(scale.get_config()),
+    )
+    a, b = keras.Variable([1.0, 2.0]), keras.Variable([1.0, 2.0])
+    first.scale_loss(1.0)
+    first.apply([ops.array([np.inf, 0.0])], [a])
+    second.scale_loss(1.0)
+    second.apply([ops.array([1024.0, 0.0])], [b])
+    assert float(to_numpy(first.loss_scale())) == 512.0
+    assert float(to_numpy(second.loss_scale())) == 1024.0
+    assert int(to_numpy(second.skipped_steps)) == 0
+    assert_close(b, [0.9, 2.0])
+
+
+def test_policy_loss_scale_is_copied_per_compiled_model():
+    keras_mp.set_global_policy(
+        keras_mp.Policy(
+            "mixed_float16", loss_scale=keras_mp.DynamicLossScale(8)
+        )
+    )
+    optimizers = []
+    for _ in range(2):
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+        optimizers.append(model.optimizer)
+    assert optimizers[0].loss_scale is not optimizers[1].loss_scale

@@ -9,6 +9,7 @@ False. Reading them there avoids the write-back of every model variable that
 going through `Callback.model` would cost each step.
 """
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -41,3 +42,23 @@ def latest_values(model, variables):
         for v in variables
     ]
     return [np.asarray(ops.convert_to_numpy(value)) for value in values]
+
+
+def assign_once(variables, values):
+    """Assigns `values` to `variables` now, once, even inside a traced step.
+
+    An optimizer is often built inside the first traced training step (the
+    TensorFlow trainer builds it inside its `tf.function`). Values restored
+    from a checkpoint are assigned when it is built; inside a TensorFlow
+    trace an assignment would become part of the step and run on every step,
+    so it is lifted out of the trace, as variable creation is.
+    """
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        with tf.init_scope():
+            for variable, value in zip(variables, values):
+                variable.assign(value)
+        return
+    for variable, value in zip(variables, values):
+        variable.assign(value)

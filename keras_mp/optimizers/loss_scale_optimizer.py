@@ -1,6 +1,8 @@
 """LossScaleOptimizer: loss scaling on the RFC 234 pipeline."""
 
 import threading
+import warnings
+import weakref
 
 import keras
 from keras import ops
@@ -165,9 +167,7 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
                 "loss_scale=None. Use the inner optimizer directly to train "
                 "without loss scaling."
             )
-        if loss_scale.built:
-            # Each optimizer owns its scale's variables.
-            loss_scale = type(loss_scale).from_config(loss_scale.get_config())
+        _claim(loss_scale, name)
         if not isinstance(aggregate_in_float16, bool):
             raise TypeError(
                 "`aggregate_in_float16` must be a bool. Received: "
@@ -182,8 +182,11 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
         self._loss_scale = loss_scale
         self.aggregate_in_float16 = aggregate_in_float16
         self.inner_optimizer.loss_scale_factor = None
-        # Per thread: MirroredStrategy traces each replica in its own thread.
-        self._unscaled_record = threading.local()
+        loss_scale._keras_mp_owner = weakref.ref(self)
+        # What happened since the last `apply_gradients`, per thread:
+        # MirroredStrategy traces each replica in its own thread.
+        self._step_record = _StepRecord()
+        self._warned_unscaled_loss = False
 
     # ------------------------------------------------------------ properties
     @property
@@ -228,6 +231,9 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
     # -------------------------------------------------------------- scaling
     def transform_loss(self, loss):
         loss = super().transform_loss(ops.convert_to_tensor(loss))
+        # Recorded when the step is built (traced, or run eagerly): the
+        # gradients that reach `apply_gradients` next are of a scaled loss.
+        self._step_record.loss_scaled = True
         return ops.multiply(loss, self._loss_scale())
 
     def get_scaled_loss(self, loss):
@@ -246,14 +252,15 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
     def get_unscaled_gradients(self, grads):
         """Divides gradients by the loss scale (RFC 293). None passes through.
 
-        Gradients returned here and then given to `apply_gradients` in the
-        same step are not divided a second time.
+        After this call, the next `apply_gradients` (the same step) does not
+        divide again, whatever is done to the gradients in between
+        (clipping, scaling, casting): the call is recorded, not the tensors.
         """
         reciprocal = self._reciprocal_scale()
         unscaled = [
             None if g is None else self._unscale(g, reciprocal) for g in grads
         ]
-        self._unscaled_record.grads = unscaled
+        self._step_record.gradients_unscaled = True
         return unscaled
 
     def _reciprocal_scale(self):
@@ -270,26 +277,45 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
             grad,
         )
 
-    def _take_already_unscaled(self, grads):
-        record = getattr(self._unscaled_record, "grads", [])
-        self._unscaled_record.grads = []
-        present = [g for g in grads if g is not None]
-        marked = [any(g is r for r in record) for g in present]
-        if any(marked) and not all(marked):
-            raise ValueError(
-                "Some gradients passed to apply_gradients went through "
-                "get_unscaled_gradients and others did not. Received "
-                f"{sum(marked)} unscaled of {len(present)}. Unscale all of "
-                "them, or none (the optimizer then unscales)."
+    def _gradients_need_unscaling(self):
+        """Whether the gradients now given to `apply_gradients` are scaled.
+
+        Three cases, from what this optimizer did since the last update:
+        `get_unscaled_gradients` ran (RFC 293 loop: already unscaled), or
+        the loss went through `scale_loss`/`get_scaled_loss`/`minimize`
+        (Keras 3 loop, as in `fit`: unscale now), or neither: gradients of
+        a loss that was never scaled (the custom `train_step` of Keras's
+        guides), applied as they are, as tf.keras did, with a warning since
+        float16 gradients then get no protection from underflow.
+        """
+        record = self._step_record
+        unscaled, scaled = record.gradients_unscaled, record.loss_scaled
+        record.gradients_unscaled = record.loss_scaled = False
+        if unscaled:
+            return False
+        if scaled:
+            return True
+        if not self._warned_unscaled_loss:
+            self._warned_unscaled_loss = True
+            warnings.warn(
+                f"LossScaleOptimizer {self.name!r} received gradients of a "
+                "loss it did not scale: no `scale_loss`, `get_scaled_loss` "
+                "or `minimize` call came before `apply_gradients`/`apply`. "
+                "They are applied as they are (not divided by the loss "
+                "scale), so the update is right, but float16 gradients are "
+                "not protected from underflow. To scale the loss, write "
+                "`loss = self.optimizer.scale_loss(loss)` before taking "
+                "gradients in your `train_step` (or use `minimize`); "
+                "gradients of a loss you scaled yourself must be passed "
+                "through `get_unscaled_gradients` first.",
+                stacklevel=4,
             )
-        return bool(present) and all(marked)
+        return False
 
     # ------------------------------------------------------------- pipeline
     def apply_gradients(self, grads_and_vars, skip_gradients_aggregation=False):
         grads_and_vars = [(g, v) for g, v in grads_and_vars]
-        self._already_unscaled = self._take_already_unscaled(
-            [g for g, _ in grads_and_vars]
-        )
+        self._unscale_in_step = self._gradients_need_unscaling()
         return super().apply_gradients(
             grads_and_vars,
             skip_gradients_aggregation=skip_gradients_aggregation,
@@ -324,7 +350,7 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
         ]
 
     def transform_gradients(self, grads_and_vars):
-        if not self._already_unscaled:
+        if self._unscale_in_step:
             reciprocal = self._reciprocal_scale()
             grads_and_vars = [
                 (
@@ -365,6 +391,28 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
         config = dict(config)
         config["optimizer"] = config.pop("inner_optimizer")
         return super().from_config(config, custom_objects=custom_objects)
+
+
+class _StepRecord(threading.local):
+    loss_scaled = False
+    gradients_unscaled = False
+
+
+def _claim(loss_scale, name):
+    """Refuses a loss scale that another live optimizer already owns."""
+    owner = getattr(loss_scale, "_keras_mp_owner", None)
+    owner = owner() if owner is not None else None
+    if owner is not None:
+        raise ValueError(
+            f"This {type(loss_scale).__name__} already belongs to the "
+            f"LossScaleOptimizer {owner.name!r}; two optimizers sharing it "
+            "would share its state (an overflow in one would lower the "
+            "other's scale). Received: loss_scale="
+            f"{loss_scale!r} for optimizer {name or 'LossScaleOptimizer'!r}. "
+            "Give each optimizer its own loss scale, e.g. "
+            "`keras_mp.DynamicLossScale(...)` twice, or "
+            "`type(scale).from_config(scale.get_config())`."
+        )
 
 
 def _all_finite(grads):

@@ -1,13 +1,16 @@
 """OptimizerWrapper: delegation to an inner optimizer and the RFC 234 pipeline."""
 
+import warnings
 import weakref
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_mp import _keras_internals
 from keras_mp import transforms as transforms_module
 from keras_mp.backend import gradients as backend_gradients
+from keras_mp.backend import training_state
 
 # Hyperparameters that `keras.optimizers.Optimizer.__init__` stores on every
 # optimizer; on a wrapper they must resolve to the inner optimizer's values.
@@ -26,7 +29,11 @@ _BASE_HYPERPARAMETERS = (
 # Attributes kept off `dir()`: saving walks `dir()` and would store the inner
 # optimizer a second time under its own path, breaking the promise that a
 # wrapper's checkpoint has the inner optimizer's layout.
-_HIDDEN_FROM_SAVING = ("inner_optimizer", "_inner_optimizer")
+_HIDDEN_FROM_SAVING = (
+    "inner_optimizer",
+    "_inner_optimizer",
+    "_pending_restore",
+)
 
 
 class _WrapperState(_keras_internals.KerasSaveable):
@@ -37,6 +44,9 @@ class _WrapperState(_keras_internals.KerasSaveable):
     the rest (loss scale, transform state) under a path of its own, which a
     plain optimizer never visits. A checkpoint without it (one written by a
     plain optimizer) leaves these variables at their current values.
+
+    Keras loads the wrapper's own entry, then this one; the wrapper restores
+    both together (see `OptimizerWrapper._restore`).
     """
 
     def __init__(self, wrapper):
@@ -55,31 +65,32 @@ class _WrapperState(_keras_internals.KerasSaveable):
             store[str(i)] = keras.ops.convert_to_numpy(variable.value)
 
     def load_own_variables(self, store):
-        variables = self._variables()
-        if len(store.keys()) == 0:
-            return
-        if len(store.keys()) != len(variables):
-            raise ValueError(
-                f"The checkpoint holds {len(store.keys())} wrapper variables "
-                f"for optimizer {self._wrapper_ref().name!r}, which has "
-                f"{len(variables)}: {[v.path for v in variables]}. Load it "
-                "into an optimizer wrapped the same way (same loss scale "
-                "kind and transforms)."
-            )
-        _assign_all(variables, [store[str(i)] for i in range(len(variables))])
+        self._wrapper_ref()._restore(wrapper_values=_read_store(store))
 
 
-def _assign_all(variables, values):
-    """Assigns every value or none: shapes are checked before any write."""
+def _read_store(store):
+    """The values of a weights-store entry, in order, as numpy arrays."""
+    return [np.array(store[str(i)]) for i in range(len(store.keys()))]
+
+
+def _assign_all(variables, values, what):
+    """Assigns every value or none: count and shapes are checked first."""
+    if len(values) != len(variables):
+        raise ValueError(
+            f"Expected {len(variables)} values for {what} "
+            f"({[v.path for v in variables]}). Received {len(values)}. "
+            "Nothing was assigned. Load values saved from an optimizer "
+            "wrapped and built the same way (same inner optimizer, loss "
+            "scale kind, transforms and trainable variables)."
+        )
     for variable, value in zip(variables, values):
-        if tuple(variable.shape) != tuple(ops.shape(value)):
+        if tuple(variable.shape) != tuple(np.shape(value)):
             raise ValueError(
-                f"Cannot load a value of shape {tuple(ops.shape(value))} into "
-                f"variable {variable.path!r} of shape {tuple(variable.shape)}. "
-                "Nothing was loaded."
+                f"Cannot assign a value of shape {tuple(np.shape(value))} to "
+                f"variable {variable.path!r} of shape "
+                f"{tuple(variable.shape)} ({what}). Nothing was assigned."
             )
-    for variable, value in zip(variables, values):
-        variable.assign(value)
+    training_state.assign_once(variables, values)
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -275,7 +286,110 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         self._base_optimizer().save_own_variables(store)
 
     def load_own_variables(self, store):
-        self._base_optimizer().load_own_variables(store)
+        self._restore(inner_values=_read_store(store))
+
+    def _restore(self, inner_values=None, wrapper_values=None):
+        """Restores checkpointed state, all of it or none.
+
+        Keras's loader calls `load_own_variables` (the inner optimizer's
+        layout) and then `_WrapperState.load_own_variables` (the wrapper's
+        own variables). The first is held until the second arrives, so a
+        mismatch in either leaves every variable as it was. Into an optimizer
+        that is not built yet (a fresh model compiled, then `load_weights`),
+        the values are kept until `build` creates the variables, so training
+        resumes where it stopped instead of from a fresh optimizer state.
+        """
+        pending = self.__dict__.setdefault("_pending_restore", {})
+        if inner_values is not None:
+            pending.clear()
+            pending["inner"] = inner_values
+            if self.built:
+                # Checked now, so a bad checkpoint fails at load time.
+                self._check_inner_values(inner_values)
+            return
+        pending["wrapper"] = wrapper_values
+        if self.built:
+            self._commit_restore()
+
+    def _check_inner_values(self, values):
+        variables = self._base_optimizer().variables
+        if len(values) != len(variables):
+            return False
+        for variable, value in zip(variables, values):
+            if tuple(variable.shape) != tuple(np.shape(value)):
+                raise ValueError(
+                    f"Cannot load a value of shape {tuple(np.shape(value))} "
+                    f"into optimizer variable {variable.path!r} of shape "
+                    f"{tuple(variable.shape)}. Nothing was loaded."
+                )
+        return True
+
+    def _commit_restore(self):
+        pending = self.__dict__.pop("_pending_restore", None) or {}
+        if "weights" in pending:
+            _assign_all(
+                self.variables,
+                pending["weights"],
+                f"optimizer {self.name!r}'s weights",
+            )
+            return
+        inner_values = pending.get("inner")
+        wrapper_values = pending.get("wrapper") or []
+        wrapper_variables = self._wrapper_variables()
+        if wrapper_values and len(wrapper_values) != len(wrapper_variables):
+            raise ValueError(
+                f"The checkpoint holds {len(wrapper_values)} wrapper variables "
+                f"for optimizer {self.name!r}, which has "
+                f"{len(wrapper_variables)}: "
+                f"{[v.path for v in wrapper_variables]}. Nothing was loaded. "
+                "Load it into an optimizer wrapped the same way (same loss "
+                "scale kind and transforms)."
+            )
+        variables, values = [], []
+        if inner_values is not None:
+            if self._check_inner_values(inner_values):
+                variables += self._base_optimizer().variables
+                values += inner_values
+            else:
+                # As Keras does for a plain optimizer: a checkpoint of a
+                # differently built optimizer is skipped with a warning.
+                warnings.warn(
+                    f"Skipping variable loading for optimizer {self.name!r}: "
+                    "the checkpoint holds "
+                    f"{len(inner_values)} variables of the inner optimizer, "
+                    "which has "
+                    f"{len(self._base_optimizer().variables)}. It was likely "
+                    "saved before the optimizer was built (before the first "
+                    "training step), or for other trainable variables.",
+                    stacklevel=3,
+                )
+                return
+        if wrapper_values:
+            variables += wrapper_variables
+            values += wrapper_values
+        _assign_all(variables, values, f"optimizer {self.name!r}")
+
+    def get_weights(self):
+        """The values of `variables`, as numpy arrays, in the same order."""
+        return [ops.convert_to_numpy(v.value) for v in self.variables]
+
+    def set_weights(self, weights):
+        """Assigns `get_weights()`'s output of an optimizer built the same way.
+
+        The values follow the order of `variables` (the inner optimizer's,
+        then the wrapper's own). Count and shapes are checked before any
+        assignment, so a mismatch leaves every variable as it was. On an
+        optimizer that is not built yet (as Keras's legacy `.h5` loader
+        finds it), the values are assigned when `build` creates the
+        variables, and a mismatch is reported then.
+        """
+        weights = [np.asarray(w) for w in weights]
+        if not self.built:
+            self.__dict__["_pending_restore"] = {"weights": weights}
+            return
+        _assign_all(
+            self.variables, list(weights), f"optimizer {self.name!r}'s weights"
+        )
 
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
         """Excludes variables from the inner optimizer's weight decay."""
@@ -289,9 +403,13 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
     # ---------------------------------------------------------------- build
     @_keras_internals.no_automatic_dependency_tracking
     def build(self, var_list):
-        if self.built:
-            return
         var_list = list(var_list)
+        if self.built or not var_list:
+            # Nothing to build for no variables: Keras's legacy `.h5` loader
+            # calls `build(model._trainable_variables)`, empty for models
+            # whose weights live in their layers; built then, the optimizer
+            # would have no slots for the real variables.
+            return
         if not self._inner_optimizer.built:
             self._inner_optimizer.build(var_list)
         self._trainable_variables = var_list[:]
@@ -303,6 +421,8 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             self._transforms.optimizer = self
             self._transforms.build(var_list)
         self.built = True
+        if self.__dict__.get("_pending_restore"):
+            self._commit_restore()
 
     def build_wrapper(self, var_list):
         """Creates the wrapper's own variables with `self.add_variable`.

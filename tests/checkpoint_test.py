@@ -1,0 +1,238 @@
+"""Saving and restoring wrapped optimizers through Keras's ordinary paths.
+
+`save_weights`/`load_weights`, `ModelCheckpoint`, `model.save`/`load_model`
+(`.keras` and legacy `.h5`) and `get_weights`/`set_weights` must restore a
+LossScaleOptimizer's whole state (iterations, loss scale, slots) into a fresh
+model, so that an interrupted training resumes exactly as if it had never
+stopped, and must refuse a mismatched checkpoint before anything changes.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+from keras_mp.testing import assert_bitwise_equal
+from keras_mp.testing import assert_close
+from keras_mp.testing import to_numpy
+
+STEPS_PER_EPOCH = 4
+
+
+def _policy():
+    # A short increment period, so the scale grows during the run and a lost
+    # or misplaced scale or counter changes the numbers.
+    return keras_mp.Policy(
+        "mixed_float16",
+        loss_scale=keras_mp.DynamicLossScale(2.0**10, increment_period=3),
+    )
+
+
+def _data():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16 * STEPS_PER_EPOCH, 4)).astype("float32")
+    y = (x @ np.array([1.0, -2.0, 0.5, 3.0], "float32"))[:, None]
+    return x, y
+
+
+def _model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(1, dtype="float32"),
+        ]
+    )
+    model.compile(
+        keras.optimizers.Adam(0.01), loss=keras.losses.MeanSquaredError()
+    )
+    return model
+
+
+def _fit(model, epochs, **kwargs):
+    x, y = _data()
+    model.fit(
+        x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0, **kwargs
+    )
+
+
+def _state(model):
+    optimizer = model.optimizer
+    return {
+        "iterations": int(to_numpy(optimizer.iterations)),
+        "loss_scale": float(to_numpy(optimizer.loss_scale())),
+        "num_good_steps": int(to_numpy(optimizer.loss_scale.num_good_steps)),
+        "skipped_steps": int(to_numpy(optimizer.skipped_steps)),
+    }
+
+
+def _assert_same_training(resumed, uninterrupted):
+    assert _state(resumed) == _state(uninterrupted)
+    for a, b in zip(resumed.weights, uninterrupted.weights):
+        # Same ops in the same order on CPU; float32's tolerance allows for
+        # a compiler that reorders a reduction.
+        assert_close(a, b, msg=a.path)
+    for a, b in zip(
+        resumed.optimizer.variables, uninterrupted.optimizer.variables
+    ):
+        assert_close(a, b, msg=a.path)
+
+
+@pytest.fixture
+def uninterrupted():
+    keras_mp.set_global_policy(_policy())
+    model = _model()
+    _fit(model, epochs=2)
+    assert _state(model)["iterations"] == 2 * STEPS_PER_EPOCH
+    assert _state(model)["loss_scale"] > 2.0**10
+    return model
+
+
+@pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
+def test_load_weights_into_a_fresh_unbuilt_optimizer_resumes_exactly(
+    uninterrupted, tmp_path, suffix
+):
+    first = _model()
+    _fit(first, epochs=1)
+    path = str(tmp_path / f"ckpt{suffix}")
+    if suffix == ".keras":
+        first.save(path)
+    else:
+        first.save_weights(path)
+    fresh = _model()
+    assert not fresh.optimizer.built
+    fresh.load_weights(path)
+    _fit(fresh, epochs=1)
+    _assert_same_training(fresh, uninterrupted)
+
+
+def test_model_checkpoint_weights_only_resumes_exactly(uninterrupted, tmp_path):
+    path = str(tmp_path / "epoch.weights.h5")
+    first = _model()
+    _fit(
+        first,
+        epochs=1,
+        callbacks=[
+            keras.callbacks.ModelCheckpoint(path, save_weights_only=True)
+        ],
+    )
+    fresh = _model()
+    fresh.load_weights(path)
+    _fit(fresh, epochs=1)
+    _assert_same_training(fresh, uninterrupted)
+
+
+def test_load_model_resumes_exactly_under_any_global_policy(
+    uninterrupted, tmp_path
+):
+    first = _model()
+    _fit(first, epochs=1)
+    path = str(tmp_path / "model.keras")
+    first.save(path)
+    keras_mp.set_global_policy(None)
+    restored = keras.models.load_model(path)
+    assert isinstance(restored.optimizer, keras_mp.LossScaleOptimizer)
+    _fit(restored, epochs=1)
+    _assert_same_training(restored, uninterrupted)
+
+
+def test_legacy_h5_save_and_load_model_resume_exactly(uninterrupted, tmp_path):
+    first = _model()
+    _fit(first, epochs=1)
+    path = str(tmp_path / "model.h5")
+    first.save(path)
+    restored = keras.models.load_model(path)
+    assert isinstance(restored.optimizer, keras_mp.LossScaleOptimizer)
+    # The loader builds the optimizer for `model._trainable_variables`,
+    # empty for a Sequential model; the values wait for the real build.
+    restored.optimizer.build(restored.trainable_variables)
+    assert _state(restored) == _state(first)
+    for a, b in zip(restored.optimizer.variables, first.optimizer.variables):
+        assert_bitwise_equal(a, to_numpy(b), msg=a.path)
+    _fit(restored, epochs=1)
+    _assert_same_training(restored, uninterrupted)
+
+
+def _built_optimizer(**kwargs):
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.Adam(0.01),
+        loss_scale=keras_mp.DynamicLossScale(64.0, increment_period=2),
+        **kwargs,
+    )
+    variables = [keras.Variable(np.ones((3,), "float32"))]
+    optimizer.build(variables)
+    return optimizer, variables
+
+
+def test_set_weights_of_get_weights_copies_every_variable_in_order():
+    source, variables = _built_optimizer()
+    for grads in ([1.0, 2.0, 3.0], [2.0, 2.0, 2.0], [np.inf, 0.0, 0.0]):
+        source.scale_loss(1.0)
+        source.apply([keras.ops.array(grads) * 64.0], variables)
+    target, _ = _built_optimizer()
+    weights = source.get_weights()
+    assert len(weights) == len(source.variables)
+    target.set_weights(weights)
+    for a, b in zip(target.variables, source.variables):
+        assert_bitwise_equal(a, to_numpy(b), msg=a.path)
+    assert int(to_numpy(target.iterations)) == 2
+    assert int(to_numpy(target.skipped_steps)) == 1
+
+
+def test_set_weights_reports_a_mismatch_before_assigning_anything():
+    target, _ = _built_optimizer()
+    before = target.get_weights()
+    other, _ = _built_optimizer(
+        transform_gradients=["adaptive_clip_by_global_norm"]
+    )
+    with pytest.raises(ValueError, match="Nothing was assigned"):
+        target.set_weights(other.get_weights())
+    wrong_shape = [np.array(w) for w in before]
+    wrong_shape[-1] = np.zeros((2,), "float32")
+    wrong_shape[0] = np.array(99, wrong_shape[0].dtype)
+    with pytest.raises(ValueError, match="Nothing was assigned"):
+        target.set_weights(wrong_shape)
+    for variable, value in zip(target.variables, before):
+        assert_bitwise_equal(variable, value, msg=variable.path)
+
+
+def test_set_weights_on_an_unbuilt_optimizer_applies_at_build():
+    source, variables = _built_optimizer()
+    source.scale_loss(1.0)
+    source.apply([keras.ops.array([1.0, 2.0, 3.0]) * 64.0], variables)
+    target = keras_mp.LossScaleOptimizer(
+        keras.optimizers.Adam(0.01),
+        loss_scale=keras_mp.DynamicLossScale(64.0, increment_period=2),
+    )
+    target.set_weights(source.get_weights())
+    target.build([keras.Variable(np.ones((3,), "float32"))])
+    for a, b in zip(target.variables, source.variables):
+        assert_bitwise_equal(a, to_numpy(b), msg=a.path)
+    mismatched = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(0.01))
+    mismatched.set_weights(source.get_weights())
+    with pytest.raises(ValueError, match="Nothing was assigned"):
+        mismatched.build([keras.Variable(np.ones((2,), "float32"))])
+
+
+def test_a_mismatched_checkpoint_leaves_the_optimizer_state_intact(tmp_path):
+    keras_mp.set_global_policy(_policy())
+    source = _model()
+    _fit(source, epochs=1)
+    path = str(tmp_path / "ckpt.weights.h5")
+    source.save_weights(path)
+    # Same model and inner optimizer, but a wrapper with other variables.
+    target = _model()
+    target.compile(
+        keras_mp.LossScaleOptimizer(
+            keras.optimizers.Adam(0.01),
+            transform_gradients=["adaptive_clip_by_global_norm"],
+        ),
+        loss="mse",
+    )
+    _fit(target, epochs=1)
+    before = target.optimizer.get_weights()
+    with pytest.raises(ValueError, match="Nothing was loaded"):
+        target.load_weights(path)
+    for variable, value in zip(target.optimizer.variables, before):
+        assert_bitwise_equal(variable, value, msg=variable.path)
