@@ -25,6 +25,7 @@ __all__ = [
     "KerasSaveable",
     "QUANTIZATION_MODES",
     "Trainer",
+    "accumulated_gradients",
     "get_autocast_scope",
     "install_global_policy_lookup",
     "install_policy_deserialization",
@@ -41,6 +42,15 @@ def stored_dtype(variable):
     # `Variable.dtype` answers the autocast dtype inside a layer's call;
     # `_dtype` is the dtype the variable was created with (keras 3.0 - 3.15).
     return variable._dtype
+
+
+def accumulated_gradients(optimizer):
+    """A Keras optimizer's gradient accumulators, one per trainable variable.
+
+    Created by `build` when `gradient_accumulation_steps` is set, in the
+    order of the variables it was built for (keras 3.5 - 3.15).
+    """
+    return list(optimizer._accumulated_gradients)
 
 
 def variable_autocasts(variable):

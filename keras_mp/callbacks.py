@@ -5,9 +5,10 @@ from keras import ops
 
 from keras_mp.backend import training_state
 from keras_mp.optimizers.loss_scale_optimizer import LossScaleOptimizer
+from keras_mp.optimizers.loss_scale_optimizer import overflow_records
 from keras_mp.optimizers.wrapper import OptimizerWrapper
 
-__all__ = ["LossScaleLogger"]
+__all__ = ["LossScaleLogger", "OverflowReport"]
 
 
 def add_loss_scale_logger(callbacks, optimizer):
@@ -123,17 +124,9 @@ class LossScaleLogger(keras.callbacks.Callback):
         return self._batch_period is None
 
     def on_train_begin(self, logs=None):
-        optimizer = getattr(self._model, "optimizer", None)
-        self._optimizer = find_loss_scale_optimizer(optimizer)
-        if self._optimizer is None:
-            raise ValueError(
-                "LossScaleLogger needs a model whose optimizer is, or wraps, a "
-                "keras_mp.LossScaleOptimizer. Received: "
-                f"optimizer={optimizer!r}. Compile under a policy with a loss "
-                "scale (e.g. "
-                "keras_mp.set_global_policy('mixed_float16')), or wrap the "
-                "optimizer in keras_mp.LossScaleOptimizer."
-            )
+        self._optimizer = _required_optimizer(self, self._model)
+        # The baseline of the loss scale's `on_min_scale` check.
+        self._read()
 
     def on_train_batch_end(self, batch, logs=None):
         if (
@@ -159,4 +152,102 @@ class LossScaleLogger(keras.callbacks.Callback):
         mapping = list(zip(variables, values))
         with keras.StatelessScope(state_mapping=mapping):
             loss_scale = float(ops.convert_to_numpy(scale()))
-        return {"loss_scale": loss_scale, "skipped_steps": int(values[-1])}
+        skipped_steps = int(values[-1])
+        # The dynamic scale's `on_min_scale` policy, on values read anyway.
+        optimizer.check_min_scale(skipped_steps, loss_scale)
+        return {"loss_scale": loss_scale, "skipped_steps": skipped_steps}
+
+
+def _required_optimizer(callback, model):
+    optimizer = getattr(model, "optimizer", None)
+    found = find_loss_scale_optimizer(optimizer)
+    if found is None:
+        raise ValueError(
+            f"{type(callback).__name__} needs a model whose optimizer is, or "
+            "wraps, a keras_mp.LossScaleOptimizer. Received: "
+            f"optimizer={optimizer!r}. Compile under a policy with a loss "
+            "scale (e.g. keras_mp.set_global_policy('mixed_float16')), or "
+            "wrap the optimizer in keras_mp.LossScaleOptimizer."
+        )
+    return found
+
+
+class OverflowReport(keras.callbacks.Callback):
+    """Prints which variables' gradients overflowed, after epochs that skipped.
+
+    At the end of each epoch in which at least one step was skipped for
+    non-finite gradients (and only then), prints the table of
+    `LossScaleOptimizer.overflow_report(top)`: the variables whose gradient
+    was non-finite most often, with their layer, count and first step. The
+    optimizer must be created with `track_overflow=True` (the counters are
+    updated inside the step; this callback reads them once per epoch).
+    `fit` logs are left as they are.
+
+    Args:
+        top: How many variables to list. Defaults to `5`.
+        print_fn: Function that prints a line. Defaults to `print`.
+
+    Example:
+
+    >>> optimizer = keras_mp.LossScaleOptimizer(
+    ...     keras.optimizers.SGD(0.1), track_overflow=True
+    ... )
+    >>> report = keras_mp.callbacks.OverflowReport(top=3)
+    """
+
+    def __init__(self, top=5, print_fn=None):
+        super().__init__()
+        if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+            raise ValueError(
+                f"`top` must be a positive int. Received: top={top!r}"
+            )
+        self.top = top
+        self.print_fn = print_fn or print
+        self._optimizer = None
+        self._skipped_before = 0
+
+    def on_train_begin(self, logs=None):
+        optimizer = _required_optimizer(self, self._model)
+        if not optimizer.track_overflow:
+            raise ValueError(
+                "OverflowReport needs a LossScaleOptimizer created with "
+                "track_overflow=True. Received: optimizer "
+                f"{optimizer.name!r} with track_overflow=False. Compile with "
+                "keras_mp.LossScaleOptimizer(..., track_overflow=True)."
+            )
+        self._optimizer = optimizer
+        self._skipped_before = self._read_skipped()
+
+    def _read_skipped(self):
+        if not self._optimizer.built:
+            return 0
+        (value,) = training_state.latest_values(
+            self._model, [self._optimizer.skipped_steps]
+        )
+        return int(value)
+
+    def on_epoch_end(self, epoch, logs=None):
+        optimizer = self._optimizer
+        if optimizer is None or not optimizer.built:
+            return
+        variables = [
+            optimizer.skipped_steps,
+            optimizer._overflow_counts,
+            optimizer._overflow_first_steps,
+        ]
+        skipped, counts, first_steps = training_state.latest_values(
+            self._model, variables
+        )
+        skipped = int(skipped)
+        newly_skipped = skipped - self._skipped_before
+        self._skipped_before = skipped
+        if newly_skipped <= 0:
+            return
+        records = overflow_records(
+            optimizer._trainable_variables, counts, first_steps, self.top
+        )
+        self.print_fn(
+            f"Epoch {epoch + 1}: {newly_skipped} step(s) skipped for "
+            "non-finite gradients. Variables whose gradients overflowed "
+            "most (since training began):\n" + str(records)
+        )

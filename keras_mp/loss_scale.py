@@ -140,6 +140,9 @@ class FixedLossScale(LossScale):
         return {"loss_scale_value": self._loss_scale_value}
 
 
+_ON_MIN_SCALE = ("warn", "raise", "ignore")
+
+
 @keras.saving.register_keras_serializable(package="keras_mp")
 class DynamicLossScale(LossScale):
     """Loss scale that grows while gradients stay finite and shrinks on overflow.
@@ -163,6 +166,20 @@ class DynamicLossScale(LossScale):
             overflow float16 themselves. Defaults to `1.0`.
         max_loss_scale: Cap of the scale, or None for no cap other than
             float32's range. Defaults to `None`.
+        hysteresis: How many non-finite steps in a row lower the scale (as
+            in DeepSpeed and Megatron): with 2, one isolated overflow skips
+            its step but keeps the scale. Every non-finite step is skipped
+            whatever this is. Defaults to `1` (every overflow lowers it).
+        on_min_scale: What happens when steps keep overflowing with the
+            scale at `min_loss_scale`, where lowering it cannot help (the
+            loss or the model overflows float16 by itself): `"warn"` warns
+            once, naming the variables whose gradients overflowed most when
+            the optimizer tracks them (`track_overflow=True`); `"raise"`
+            raises `FloatingPointError`, which stops `fit`; `"ignore"` does
+            nothing. It is checked where keras_mp reads the optimizer state
+            anyway (`LossScaleLogger` in `fit`, by default once per epoch;
+            `LossScaleOptimizer.check_min_scale()` in your own loop), never
+            inside the step. Defaults to `"warn"`.
 
     Example:
 
@@ -178,6 +195,8 @@ class DynamicLossScale(LossScale):
         multiplier=2.0,
         min_loss_scale=1.0,
         max_loss_scale=None,
+        hysteresis=1,
+        on_min_scale="warn",
     ):
         super().__init__()
         _check_number("initial_loss_scale", initial_loss_scale)
@@ -196,6 +215,23 @@ class DynamicLossScale(LossScale):
             raise ValueError(
                 "`increment_period` must be at least 1. Received: "
                 f"increment_period={increment_period!r}"
+            )
+        if isinstance(hysteresis, bool) or not isinstance(
+            hysteresis, numbers.Integral
+        ):
+            raise TypeError(
+                "`hysteresis` must be an integer. Received: "
+                f"hysteresis={hysteresis!r}"
+            )
+        if hysteresis < 1:
+            raise ValueError(
+                "`hysteresis` must be at least 1 (1: every overflow lowers the "
+                f"scale). Received: hysteresis={hysteresis!r}"
+            )
+        if on_min_scale not in _ON_MIN_SCALE:
+            raise ValueError(
+                f"`on_min_scale` must be one of {list(_ON_MIN_SCALE)}. "
+                f"Received: on_min_scale={on_min_scale!r}"
             )
         if multiplier <= 1:
             raise ValueError(
@@ -228,6 +264,8 @@ class DynamicLossScale(LossScale):
         self.max_loss_scale = (
             None if max_loss_scale is None else float(max_loss_scale)
         )
+        self.hysteresis = int(hysteresis)
+        self.on_min_scale = on_min_scale
 
     def build(self):
         if self.built:
@@ -236,6 +274,13 @@ class DynamicLossScale(LossScale):
             "loss_scale", self.initial_loss_scale, "float32"
         )
         self._num_good_steps = self._add_variable("num_good_steps", 0, "int32")
+        # Only with hysteresis, so that the default checkpoint layout is the
+        # one every earlier version wrote.
+        self._overflows_in_a_row = None
+        if self.hysteresis > 1:
+            self._overflows_in_a_row = self._add_variable(
+                "overflows_in_a_row", 0, "int32"
+            )
         super().build()
 
     @property
@@ -280,6 +325,20 @@ class DynamicLossScale(LossScale):
         )
         good_if_finite = ops.where(grow, ops.zeros_like(good_steps), good_steps)
         scale_if_not = ops.maximum(scale / self.multiplier, self.min_loss_scale)
+        if self._overflows_in_a_row is not None:
+            overflows = (
+                ops.convert_to_tensor(self._overflows_in_a_row.value, "int32")
+                + 1
+            )
+            lower = ops.greater_equal(overflows, self.hysteresis)
+            scale_if_not = ops.where(lower, scale_if_not, scale)
+            self._overflows_in_a_row.assign(
+                ops.where(
+                    ops.logical_or(is_finite, lower),
+                    ops.zeros_like(overflows),
+                    overflows,
+                )
+            )
 
         self._loss_scale.assign(
             ops.where(is_finite, scale_if_finite, scale_if_not)
@@ -296,6 +355,8 @@ class DynamicLossScale(LossScale):
             "multiplier": self.multiplier,
             "min_loss_scale": self.min_loss_scale,
             "max_loss_scale": self.max_loss_scale,
+            "hysteresis": self.hysteresis,
+            "on_min_scale": self.on_min_scale,
         }
 
 

@@ -333,6 +333,80 @@ finish()
 """
 
 
+_TF_OVERFLOW = """
+two = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with two.scope():
+    model = make_model()
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1),
+        loss_scale=keras_mp.DynamicLossScale(2**10, hysteresis=2),
+        track_overflow=True,
+    )
+    optimizer.build(model.trainable_variables)
+
+
+def replica_step(xb, yb):
+    variables = model.trainable_variables
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(loss_fn(yb, model(xb, training=True))) / 16.0
+        scaled = optimizer.scale_loss(loss)
+    grads = tape.gradient(scaled, variables)
+    optimizer.apply_gradients(zip(grads, variables))
+
+
+@tf.function
+def train_step(xb, yb):
+    two.run(replica_step, args=(xb, yb))
+
+
+dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+batch = next(iter(two.experimental_distribute_dataset(dataset)))
+results["scales"] = []
+# NaN on replica 1 at steps 1, 3 and 4.
+for poisoned in (-1, 1, -1, 1, 1):
+    poisoned_replica.assign(poisoned)
+    train_step(*batch)
+    results["scales"].append(counters(optimizer)["loss_scale"])
+results["counters"] = counters(optimizer)
+results["counts"] = per_replica([optimizer._overflow_counts])[0].tolist()
+results["first_steps"] = per_replica(
+    [optimizer._overflow_first_steps]
+)[0].tolist()
+results["report"] = [list(r) for r in optimizer.overflow_report()]
+finish()
+"""
+
+
+@pytest.fixture(scope="module")
+def tf_overflow_results(tmp_path_factory):
+    return _run_child(
+        _TF_DEVICES + _TF_HELPERS + _TF_OVERFLOW,
+        tmp_path_factory,
+        "tf_overflow",
+        "tensorflow",
+    )
+
+
+@pytest.mark.backends("tensorflow")
+def test_overflow_counts_and_hysteresis_are_one_decision_for_two_replicas(
+    tf_overflow_results,
+):
+    results, _ = tf_overflow_results
+    # hysteresis=2: the isolated overflow at step 1 keeps the scale; the two
+    # in a row at steps 3 and 4 halve it once.
+    assert results["scales"] == [1024.0, 1024.0, 1024.0, 1024.0, 512.0]
+    assert results["counters"]["skipped_steps"] == 3
+    assert results["counters"]["iterations"] == 2
+    # Every variable's gradient was NaN after the all-reduce, 3 times (not
+    # 6: counted once for both replicas), first at step 1; both replicas'
+    # copies of the counters agree.
+    for replica_counts in results["counts"]:
+        assert replica_counts == [3, 3, 3, 3]
+    for replica_first in results["first_steps"]:
+        assert replica_first == [1, 1, 1, 1]
+    assert [record[2:] for record in results["report"]] == [[3, 1]] * 4
+
+
 @pytest.fixture(scope="module")
 def tf_fit_results(tmp_path_factory):
     return _run_child(
@@ -692,6 +766,16 @@ model, optimizer, results["data_parallel_loss"] = fit()
 save("data_parallel", weights(model))
 skip_then_apply("data_parallel", model, optimizer, results["rows_on_device_1"])
 
+# Overflow provenance under DataParallel: NaN labels on device 1 only, at
+# the second of three steps.
+model, optimizer, _ = fit(track_overflow=True)
+poisoned = y.copy()
+poisoned[results["rows_on_device_1"]] = np.nan
+model.fit(x, poisoned, batch_size=16, epochs=1, verbose=0)
+model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+results["tracked_counters"] = counters(optimizer)
+results["tracked_report"] = [list(r) for r in optimizer.overflow_report()]
+
 model, _, _ = fit(aggregate_in_float16=True)
 save("float16_aggregation", weights(model))
 
@@ -733,6 +817,17 @@ def test_nan_in_the_rows_on_device_1_makes_every_device_skip_in_data_parallel(
     results, arrays = jax_results
     assert results["rows_on_device_1"] == list(range(8, 16))
     _assert_skipped_on_every_replica(results, arrays, "data_parallel")
+
+
+@pytest.mark.backends("jax")
+def test_overflow_counts_are_one_decision_for_every_device_in_data_parallel(
+    jax_results,
+):
+    results, _ = jax_results
+    # fit() trained 3 finite steps (0-2); step 3 had NaN on device 1.
+    assert results["tracked_counters"]["skipped_steps"] == 1
+    assert results["tracked_counters"]["iterations"] == 4
+    assert [record[2:] for record in results["tracked_report"]] == [[1, 3]] * 4
 
 
 @pytest.mark.backends("jax")
