@@ -74,3 +74,16 @@ def test_quickstart_prints_accuracy_step_times_and_the_loss_scale():
     output = _run(ROOT / "examples" / "quickstart.py")
     for expected in ("test accuracy", "median step", "speed-up", "Loss scale:"):
         assert expected in output
+
+
+@pytest.mark.slow
+def test_debugging_overflows_guide_names_the_overflowing_layer(tmp_path):
+    plot = tmp_path / "overflows.png"
+    script = ROOT / "guides" / "debugging_overflows.py"
+    output = _run(script, "--plot", str(plot))
+    assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    # The report names the layer fed unnormalized inputs, and only it.
+    report = output.split("overflow_report(top=3):")[1].split("\n\n")[0]
+    assert "projection/kernel" in report
+    assert "logits" not in report
+    assert "skipped 1" in output and "skipped 0" in output

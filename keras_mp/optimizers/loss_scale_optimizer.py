@@ -592,9 +592,10 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
             return
         message = (
             f"LossScaleOptimizer {self.name!r}: {skipped_steps - previous} "
-            "step(s) overflowed with the loss scale at its min_loss_scale="
-            f"{scale.min_loss_scale:g}, where lowering it cannot help: the "
-            "loss or the model overflows in 16 bits by itself."
+            "more step(s) were skipped for non-finite gradients and the loss "
+            f"scale sits at its min_loss_scale={scale.min_loss_scale:g}, "
+            "where lowering it cannot help: the loss or the model overflows "
+            "in 16 bits by itself."
         )
         if self.track_overflow:
             worst = self.overflow_report(top=3)
