@@ -79,7 +79,7 @@ def _assign_all(variables, values, what):
         raise ValueError(
             f"Expected {len(variables)} values for {what} "
             f"({[v.path for v in variables]}). Received {len(values)}. "
-            "Nothing was assigned. Load values saved from an optimizer "
+            "Nothing was loaded or assigned. Use values saved from an optimizer "
             "wrapped and built the same way (same inner optimizer, loss "
             "scale kind, transforms and trainable variables)."
         )
@@ -88,7 +88,8 @@ def _assign_all(variables, values, what):
             raise ValueError(
                 f"Cannot assign a value of shape {tuple(np.shape(value))} to "
                 f"variable {variable.path!r} of shape "
-                f"{tuple(variable.shape)} ({what}). Nothing was assigned."
+                f"{tuple(variable.shape)} ({what}). Nothing was loaded or "
+                "assigned."
             )
     training_state.assign_once(variables, values)
 
@@ -293,36 +294,20 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
 
         Keras's loader calls `load_own_variables` (the inner optimizer's
         layout) and then `_WrapperState.load_own_variables` (the wrapper's
-        own variables). The first is held until the second arrives, so a
-        mismatch in either leaves every variable as it was. Into an optimizer
-        that is not built yet (a fresh model compiled, then `load_weights`),
-        the values are kept until `build` creates the variables, so training
-        resumes where it stopped instead of from a fresh optimizer state.
+        own variables, an empty entry in a plain optimizer's checkpoint).
+        The first is held until the second arrives, so a mismatch in either
+        leaves every variable as it was. Into an optimizer that is not built
+        yet (a fresh model compiled, then `load_weights`), the values are
+        kept until `build` creates the variables, so training resumes where
+        it stopped instead of from a fresh optimizer state.
         """
-        pending = self.__dict__.setdefault("_pending_restore", {})
         if inner_values is not None:
-            pending.clear()
-            pending["inner"] = inner_values
-            if self.built:
-                # Checked now, so a bad checkpoint fails at load time.
-                self._check_inner_values(inner_values)
+            self.__dict__["_pending_restore"] = {"inner": inner_values}
             return
+        pending = self.__dict__.setdefault("_pending_restore", {})
         pending["wrapper"] = wrapper_values
         if self.built:
             self._commit_restore()
-
-    def _check_inner_values(self, values):
-        variables = self._base_optimizer().variables
-        if len(values) != len(variables):
-            return False
-        for variable, value in zip(variables, values):
-            if tuple(variable.shape) != tuple(np.shape(value)):
-                raise ValueError(
-                    f"Cannot load a value of shape {tuple(np.shape(value))} "
-                    f"into optimizer variable {variable.path!r} of shape "
-                    f"{tuple(variable.shape)}. Nothing was loaded."
-                )
-        return True
 
     def _commit_restore(self):
         pending = self.__dict__.pop("_pending_restore", None) or {}
@@ -333,41 +318,31 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
                 f"optimizer {self.name!r}'s weights",
             )
             return
-        inner_values = pending.get("inner")
-        wrapper_values = pending.get("wrapper") or []
-        wrapper_variables = self._wrapper_variables()
-        if wrapper_values and len(wrapper_values) != len(wrapper_variables):
-            raise ValueError(
-                f"The checkpoint holds {len(wrapper_values)} wrapper variables "
-                f"for optimizer {self.name!r}, which has "
-                f"{len(wrapper_variables)}: "
-                f"{[v.path for v in wrapper_variables]}. Nothing was loaded. "
-                "Load it into an optimizer wrapped the same way (same loss "
-                "scale kind and transforms)."
-            )
         variables, values = [], []
+        inner_values = pending.get("inner")
         if inner_values is not None:
-            if self._check_inner_values(inner_values):
-                variables += self._base_optimizer().variables
-                values += inner_values
-            else:
-                # As Keras does for a plain optimizer: a checkpoint of a
-                # differently built optimizer is skipped with a warning.
+            inner_variables = self._base_optimizer().variables
+            if len(inner_values) != len(inner_variables):
+                # As Keras does for a plain optimizer: the checkpoint of an
+                # optimizer built for other variables (or not built) is
+                # skipped with a warning.
                 warnings.warn(
                     f"Skipping variable loading for optimizer {self.name!r}: "
-                    "the checkpoint holds "
-                    f"{len(inner_values)} variables of the inner optimizer, "
-                    "which has "
-                    f"{len(self._base_optimizer().variables)}. It was likely "
-                    "saved before the optimizer was built (before the first "
-                    "training step), or for other trainable variables.",
+                    f"the checkpoint holds {len(inner_values)} variables of "
+                    f"the inner optimizer, which has {len(inner_variables)}. "
+                    "It was likely saved before the optimizer was built "
+                    "(before the first training step), or for other "
+                    "trainable variables.",
                     stacklevel=3,
                 )
                 return
+            variables += inner_variables
+            values += inner_values
+        wrapper_values = pending.get("wrapper")
         if wrapper_values:
-            variables += wrapper_variables
+            variables += self._wrapper_variables()
             values += wrapper_values
-        _assign_all(variables, values, f"optimizer {self.name!r}")
+        _assign_all(variables, values, f"optimizer {self.name!r}'s checkpoint")
 
     def get_weights(self):
         """The values of `variables`, as numpy arrays, in the same order."""
