@@ -339,10 +339,13 @@ with two.scope():
     model = make_model()
     optimizer = keras_mp.LossScaleOptimizer(
         keras.optimizers.SGD(0.1),
-        loss_scale=keras_mp.DynamicLossScale(2**10, hysteresis=2),
+        loss_scale=keras_mp.DynamicLossScale(
+            2**10, min_loss_scale=2**9, hysteresis=2, on_min_scale="raise"
+        ),
         track_overflow=True,
     )
     optimizer.build(model.trainable_variables)
+optimizer.check_min_scale()  # the baseline: no step yet
 
 
 def replica_step(xb, yb):
@@ -373,6 +376,10 @@ results["first_steps"] = per_replica(
     [optimizer._overflow_first_steps]
 )[0].tolist()
 results["report"] = [list(r) for r in optimizer.overflow_report()]
+try:
+    optimizer.check_min_scale()
+except FloatingPointError as error:
+    results["on_min_scale_error"] = str(error)
 finish()
 """
 
@@ -388,7 +395,7 @@ def tf_overflow_results(tmp_path_factory):
 
 
 @pytest.mark.backends("tensorflow")
-def test_overflow_counts_and_hysteresis_are_one_decision_for_two_replicas(
+def test_overflow_counts_hysteresis_and_min_scale_for_two_replicas(
     tf_overflow_results,
 ):
     results, _ = tf_overflow_results
@@ -405,6 +412,10 @@ def test_overflow_counts_and_hysteresis_are_one_decision_for_two_replicas(
     for replica_first in results["first_steps"]:
         assert replica_first == [1, 1, 1, 1]
     assert [record[2:] for record in results["report"]] == [[3, 1]] * 4
+    # The scale reached its floor (2**9) with overflows continuing:
+    # on_min_scale="raise" raises, naming the worst variables.
+    assert "min_loss_scale=512" in results["on_min_scale_error"]
+    assert "hidden/kernel (3x)" in results["on_min_scale_error"]
 
 
 @pytest.fixture(scope="module")
