@@ -156,6 +156,7 @@ def test_config_holds_the_loss_scale_and_loads_keras():
         "aggregate_in_float16",
         "transform_gradients",
         "aggregate_gradients",
+        "track_overflow",
     }
     restored = keras_mp.LossScaleOptimizer.from_config(config)
     assert restored.name == "test_opt"

@@ -162,6 +162,8 @@ class TestDynamicLossScaleConstruction:
             "multiplier": 2.0,
             "min_loss_scale": 1.0,
             "max_loss_scale": None,
+            "hysteresis": 1,
+            "on_min_scale": "warn",
         }
         assert scale.is_dynamic
         assert float(to_numpy(scale())) == 2.0**15
@@ -272,6 +274,8 @@ class TestDynamicLossScaleConstruction:
             multiplier=4.0,
             min_loss_scale=0.25,
             max_loss_scale=2.0**20,
+            hysteresis=3,
+            on_min_scale="ignore",
         )
         config = scale.get_config()
         assert config == {
@@ -280,6 +284,8 @@ class TestDynamicLossScaleConstruction:
             "multiplier": 4.0,
             "min_loss_scale": 0.25,
             "max_loss_scale": 2.0**20,
+            "hysteresis": 3,
+            "on_min_scale": "ignore",
         }
         assert keras_mp.DynamicLossScale.from_config(config).get_config() == (
             config
