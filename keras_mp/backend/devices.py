@@ -1,6 +1,7 @@
 """What the accelerator can do, asked of the active Keras backend."""
 
 import platform
+import sys
 import warnings
 
 import keras
@@ -177,10 +178,32 @@ def compatibility_warning(policy_name, details):
 
 
 def check_hardware_once(policy_name):
-    """Warns once per process and policy if the devices suit it poorly."""
+    """Warns once per process and policy if the devices suit it poorly.
+
+    Called when the first layer of a mixed policy creates its weights, not
+    when the policy is set: asking for the devices initializes the runtime
+    (TensorFlow's devices, JAX's backend), which a policy call must leave to
+    the program (`tf.config.set_logical_device_configuration`,
+    `jax.distributed.initialize`).
+    """
     if policy_name in _checked_policies:
         return
     _checked_policies.add(policy_name)
+    if policy_name not in ("mixed_float16", "mixed_bfloat16"):
+        return
     message = compatibility_warning(policy_name, device_details())
     if message is not None:
-        warnings.warn(message, UserWarning, stacklevel=3)
+        warnings.warn(message, UserWarning, stacklevel=_caller_stacklevel())
+
+
+def _caller_stacklevel():
+    # The first frame outside keras_mp, Keras and the backends: the user's
+    # line that built the layer (Python 3.12's skip_file_prefixes, by hand).
+    internal = {"keras_mp", "keras", "tensorflow", "jax", "torch"}
+    frame, level = sys._getframe(2), 2
+    while frame is not None:
+        package = frame.f_globals.get("__name__", "").partition(".")[0]
+        if package not in internal:
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
