@@ -79,3 +79,46 @@ def test_hardware_check_runs_at_the_first_build_instead(policy):
     assert "after build 1" in out
     assert "after second build 1" in out
     assert "test CPU" in out
+
+
+_TWO_STRATEGIES = """
+import sys
+import numpy as np
+import tensorflow as tf
+
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+)
+import keras
+import keras_mp
+
+x = np.random.RandomState(0).randn(32, 4).astype("float32")
+y = x.sum(axis=1, keepdims=True)
+for aggregate_in_float16 in {order}:
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((4,)),
+            keras.layers.Dense(3, dtype="mixed_float16"),
+            keras.layers.Dense(1),
+        ])
+        optimizer = keras_mp.LossScaleOptimizer(
+            keras.optimizers.SGD(0.01),
+            aggregate_in_float16=aggregate_in_float16,
+        )
+        model.compile(optimizer, "mean_squared_error")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    print("trained", aggregate_in_float16)
+"""
+
+
+@pytest.mark.backends("tensorflow")
+@pytest.mark.parametrize("order", [(False, True), (True, False)])
+def test_float16_and_float32_all_reduce_strategies_run_in_one_process(order):
+    out = run_python(
+        _TWO_STRATEGIES.format(order=order),
+        env={"KERAS_BACKEND": "tensorflow"},
+        timeout=CHILD_TIMEOUT,
+    )
+    assert out.split("\n")[-3:-1] == [f"trained {flag}" for flag in order]

@@ -7,6 +7,7 @@ from keras import ops
 
 from keras_mp import _keras_internals
 from keras_mp import transforms as transforms_module
+from keras_mp.backend import collectives
 from keras_mp.backend import gradients as backend_gradients
 
 # Hyperparameters that `keras.optimizers.Optimizer.__init__` stores on every
@@ -292,6 +293,7 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         if self.built:
             return
         var_list = list(var_list)
+        collectives.use_distinct_collective_keys()
         if not self._inner_optimizer.built:
             self._inner_optimizer.build(var_list)
         self._trainable_variables = var_list[:]
