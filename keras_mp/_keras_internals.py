@@ -25,6 +25,7 @@ __all__ = [
     "KerasSaveable",
     "QUANTIZATION_MODES",
     "Trainer",
+    "called_by_keras_saving",
     "get_autocast_scope",
     "install_global_policy_lookup",
     "install_global_policy_setter",
@@ -75,6 +76,18 @@ def set_keras_thread_policy(policy):
     process-global policy.
     """
     global_state.set_global_attribute("dtype_policy", policy)
+
+
+def called_by_keras_saving(frame):
+    """Whether `frame` is Keras's saving walking an object's attributes.
+
+    `keras.src.saving.saving_lib._walk_saveable` (keras 3.0 - 3.15) saves
+    every `KerasSaveable` that `dir(obj)` lists; a wrapper hides its inner
+    optimizer from that walk only, to keep the inner optimizer's layout.
+    """
+    return frame is not None and frame.f_globals.get("__name__") == (
+        "keras.src.saving.saving_lib"
+    )
 
 
 def keras_thread_policy():

@@ -6,6 +6,8 @@ import numbers
 import keras
 from keras import ops
 
+from keras_mp import _config
+
 
 class LossScale:
     """Base class of loss scales.
@@ -74,6 +76,8 @@ class LossScale:
 
     @classmethod
     def from_config(cls, config):
+        """Restores a loss scale from `get_config()`'s output."""
+        _config.check_config(cls, config)
         return cls(**config)
 
     def __repr__(self):
@@ -324,10 +328,20 @@ def get(identifier):
                 "`keras.saving.serialize_keras_object` writes it. Received: "
                 f"loss_scale={identifier!r}"
             )
-        loss_scale = keras.saving.deserialize_keras_object(identifier)
+        try:
+            loss_scale = keras.saving.deserialize_keras_object(identifier)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                "Expected a loss scale config, such as "
+                "`keras.saving.serialize_keras_object(keras_mp."
+                "DynamicLossScale())` returns; its 'class_name' is "
+                "'DynamicLossScale' or 'FixedLossScale'. Received: "
+                f"loss_scale={identifier!r}"
+            ) from error
         if not isinstance(loss_scale, LossScale):
             raise ValueError(
-                "The config does not describe a keras_mp loss scale. "
+                "Expected a loss scale config; this one describes a "
+                f"{type(loss_scale).__name__}. "
                 f"Received: loss_scale={identifier!r}"
             )
         return loss_scale

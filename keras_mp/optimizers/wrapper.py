@@ -1,10 +1,12 @@
 """OptimizerWrapper: delegation to an inner optimizer and the RFC 234 pipeline."""
 
+import sys
 import weakref
 
 import keras
 from keras import ops
 
+from keras_mp import _config
 from keras_mp import _keras_internals
 from keras_mp import transforms as transforms_module
 from keras_mp.backend import collectives
@@ -214,7 +216,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
 
     def __dir__(self):
         names = set(super().__dir__()) | set(self._delegated)
-        return sorted(names - set(_HIDDEN_FROM_SAVING))
+        if _keras_internals.called_by_keras_saving(sys._getframe(1)):
+            return sorted(names - set(_HIDDEN_FROM_SAVING))
+        return sorted(names - {"_inner_optimizer"})
 
     @property
     def learning_rate(self):
@@ -553,6 +557,7 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        _config.check_config(cls, config, required=("optimizer",))
         config = dict(config)
         optimizer = keras.saving.deserialize_keras_object(
             config.pop("optimizer"), custom_objects=custom_objects

@@ -15,6 +15,7 @@ import re
 import keras
 import numpy as np
 
+from keras_mp import _config
 from keras_mp import _keras_internals
 
 # Short snake_case name -> Transform subclass.
@@ -324,6 +325,8 @@ class Transform:
 
     @classmethod
     def from_config(cls, config):
+        """Restores a transform from `get_config()`'s output."""
+        _config.check_config(cls, config)
         return cls(**config)
 
     # ----------------------------------------------------------------- state
