@@ -479,9 +479,9 @@ class TestGlobalPolicyAcrossThreads:
     def test_scope_restores_what_it_replaced_after_a_global_change(self):
         keras_mp.set_global_policy("float64")
         with keras_mp.policy_scope("mixed_bfloat16"):
-            keras_mp.set_global_policy("float16")
+            keras_mp.set_global_policy("mixed_float16")
             assert keras_mp.global_policy().name == "mixed_bfloat16"
-        assert keras_mp.global_policy().name == "float16"
+        assert keras_mp.global_policy().name == "mixed_float16"
 
 
 class TestOneSourceOfTruthWithKeras:
