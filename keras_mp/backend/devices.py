@@ -156,25 +156,31 @@ def compatibility_warning(policy_name, details):
             if all(d["native_bfloat16"] for d in details)
             else "'float32'"
         )
-        return (
-            "Mixed precision compatibility check (mixed_float16): float16 "
-            "runs fast only on NVIDIA GPUs of compute capability 7.0 or "
-            f"higher, and this process has {found}. It may run slower than "
-            f"float32 here; {better} is the better choice on these devices. "
-            "keras_mp.recommend_policy() measures which is fastest."
+        return _lines(
+            "Mixed precision compatibility check (mixed_float16):",
+            "float16 runs fast only on NVIDIA GPUs of compute capability 7.0 "
+            f"or higher, and this process has {found}.",
+            f"It may run slower than float32 here; {better} is the better "
+            "choice on these devices.",
+            "keras_mp.recommend_policy() measures which is fastest.",
         )
     if policy_name == "mixed_bfloat16":
         if all(d["native_bfloat16"] for d in details):
             return None
-        return (
-            "Mixed precision compatibility check (mixed_bfloat16): the "
-            f"devices of this process ({found}) have no native bfloat16 "
-            "support, so bfloat16 is emulated and may run slower than "
-            "float32; 'float32' is the better choice here (or "
-            "'mixed_float16' on an NVIDIA GPU of compute capability 7.0 or "
-            "higher). keras_mp.recommend_policy() measures which is fastest."
+        return _lines(
+            "Mixed precision compatibility check (mixed_bfloat16):",
+            f"the devices of this process ({found}) have no native bfloat16 "
+            "support, so bfloat16 is emulated and may run slower than float32.",
+            "'float32' is the better choice here (or 'mixed_float16' on an "
+            "NVIDIA GPU of compute capability 7.0 or higher).",
+            "keras_mp.recommend_policy() measures which is fastest.",
         )
     return None
+
+
+def _lines(*lines):
+    # One short line each: a warning is read in a terminal or a notebook.
+    return "\n  ".join(lines)
 
 
 def check_hardware_once(policy_name):
