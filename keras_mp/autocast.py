@@ -47,7 +47,21 @@ class AutoCastVariable(metaclass=_AutoCastVariableMeta):
     'float16'
     """
 
+    # Documentation only (`help(keras_mp.AutoCastVariable)`): the variables
+    # are Keras variables that this class recognizes, never its instances.
+    true_dtype = property(
+        doc="The dtype the variable stores, such as 'float32', everywhere."
+    )
+    dtype = property(
+        doc="The compute dtype inside the call of the layer that owns the "
+        "variable (e.g. 'float16'), the stored dtype elsewhere."
+    )
+    value = property(
+        doc="The value, cast to the compute dtype inside the layer's call."
+    )
+
     def __new__(cls, *args, **kwargs):
+        """Not called by users: `layer.add_weight` creates the variables."""
         raise TypeError(
             "keras_mp.AutoCastVariable is not created directly. Create the "
             "weight with `layer.add_weight(...)` in a layer whose dtype policy "

@@ -72,6 +72,7 @@ class LossScale:
         return False
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         raise NotImplementedError
 
     @classmethod
@@ -132,6 +133,7 @@ class FixedLossScale(LossScale):
 
     @property
     def loss_scale_value(self):
+        """The fixed scale, a Python float (`self()` is it as a tensor)."""
         return self._loss_scale_value
 
     def __call__(self):
@@ -141,6 +143,7 @@ class FixedLossScale(LossScale):
         return ops.convert_to_tensor(True)
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         return {"loss_scale_value": self._loss_scale_value}
 
 
@@ -294,6 +297,7 @@ class DynamicLossScale(LossScale):
         return is_finite
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         return {
             "initial_loss_scale": self.initial_loss_scale,
             "increment_period": self.increment_period,

@@ -75,6 +75,7 @@ class Policy(keras.DTypePolicy):
         return self._loss_scale
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         loss_scale = None
         if self._loss_scale is not None:
             loss_scale = keras.saving.serialize_keras_object(self._loss_scale)

@@ -86,6 +86,7 @@ class Lookahead(OptimizerWrapper):
             variable.assign(ops.where(sync, moved, fast_value))
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         config = super().get_config()
         config.update(
             sync_period=self.sync_period, slow_step_size=self.slow_step_size

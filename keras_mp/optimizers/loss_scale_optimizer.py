@@ -369,6 +369,7 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
 
     # -------------------------------------------------------- serialization
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         config = super().get_config()
         config["inner_optimizer"] = config.pop("optimizer")
         config["loss_scale"] = keras.saving.serialize_keras_object(

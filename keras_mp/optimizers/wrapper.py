@@ -110,7 +110,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
     method can never silently bypass the wrapper.
 
     Args:
-        optimizer: The `keras.optimizers.Optimizer` to wrap.
+        inner_optimizer: The `keras.optimizers.Optimizer` to wrap, as in
+            `keras_mp.LossScaleOptimizer` and Keras. (`optimizer=` works
+            too, the name of earlier releases.)
         transform_gradients: Gradient transforms run in stage 5, in order:
             `keras_mp.transforms` instances, registered names, `(name,
             config)` pairs or plain callables taking and returning
@@ -135,16 +137,25 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
 
     def __init__(
         self,
-        optimizer,
+        inner_optimizer=None,
         transform_gradients=None,
         aggregate_gradients=None,
         name=None,
         **kwargs,
     ):
+        if "optimizer" in kwargs:
+            if inner_optimizer is not None:
+                raise TypeError(
+                    "Pass the optimizer to wrap once, as `inner_optimizer`. "
+                    f"Received: inner_optimizer={inner_optimizer!r} and "
+                    f"optimizer={kwargs['optimizer']!r}"
+                )
+            inner_optimizer = kwargs.pop("optimizer")
+        optimizer = inner_optimizer
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise TypeError(
                 f"{type(self).__name__} wraps a keras.optimizers.Optimizer. "
-                f"Received: optimizer={optimizer!r} (of type "
+                f"Received: inner_optimizer={optimizer!r} (of type "
                 f"{type(optimizer).__name__}). Pass e.g. "
                 "keras.optimizers.Adam(1e-3)."
             )
@@ -540,6 +551,7 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
 
     # -------------------------------------------------------- serialization
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         config = {
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(

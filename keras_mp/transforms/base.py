@@ -437,6 +437,7 @@ class CallableTransform(Transform):
         return self.fn(grads_and_vars)
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         raise TypeError(
             f"Transform {self.name!r} wraps the plain callable {self.fn!r}, "
             "which cannot be serialized. To save it, subclass "
@@ -516,6 +517,7 @@ class Chain(Transform):
         return grads_and_vars
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         config = super().get_config()
         config["transforms"] = [serialize(t) for t in self._transforms]
         return config
