@@ -21,8 +21,13 @@ with every weight left bit for bit as it was.
     python guides/custom_training_loops.py --quick    # a few steps (CI)
 """
 
-import argparse
+# ruff: noqa: E402 (the variable below must be set before TensorFlow loads)
 import os
+
+# Hides TensorFlow's C++ INFO and WARNING lines; set it to 0 to see them.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import argparse
 import warnings
 
 import keras

@@ -20,8 +20,13 @@ steps only):
     KERAS_BACKEND=jax python guides/mixed_precision_with_fit.py
 """
 
-import argparse
+# ruff: noqa: E402 (the variable below must be set before TensorFlow loads)
 import os
+
+# Hides TensorFlow's C++ INFO and WARNING lines; set it to 0 to see them.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import argparse
 import pathlib
 import tempfile
 import warnings
