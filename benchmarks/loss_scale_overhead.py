@@ -27,6 +27,12 @@ median of the ratios within each repeat ("paired"):
         --steps 200 --repeats 7
 """
 
+# ruff: noqa: E402 (the variable below must be set before TensorFlow loads)
+import os
+
+# Hides TensorFlow's C++ INFO and WARNING lines; set it to 0 to see them.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
 import argparse
 import statistics
 import time

@@ -25,8 +25,13 @@ so mixed_float16 runs `--float16-steps` steps per repeat instead of
         mixed_bfloat16
 """
 
-import argparse
+# ruff: noqa: E402 (the variable below must be set before TensorFlow loads)
 import os
+
+# Hides TensorFlow's C++ INFO and WARNING lines; set it to 0 to see them.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import argparse
 import platform
 import statistics
 import time

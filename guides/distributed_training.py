@@ -81,9 +81,10 @@ def parse_args(argv=None):
 
 
 def set_policy():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Mixed precision compatibility")
-        keras_mp.set_global_policy("mixed_float16")
+    # The check runs when the first mixed layer is built: filtered for
+    # the whole script, not only around set_global_policy.
+    warnings.filterwarnings("ignore", "Mixed precision compatibility")
+    keras_mp.set_global_policy("mixed_float16")
 
 
 def make_model():
@@ -109,9 +110,9 @@ def to_float(value):
     return float(keras.ops.convert_to_numpy(value))
 
 
-def report(name, optimizer, loss):
+def report(name, optimizer, loss, loss_kind):
     print(
-        f"  {name}: loss {loss:.4f}, loss scale "
+        f"  {name}: {loss_kind} loss {loss:.4f}, loss scale "
         f"{to_float(optimizer.loss_scale.loss_scale)}, applied steps "
         f"{int(to_float(optimizer.iterations))}, skipped steps "
         f"{int(to_float(optimizer.skipped_steps))}"
@@ -154,7 +155,7 @@ def mirrored_fit(strategy, steps):
     x, y = make_data(steps)
     history = model.fit(x, y, batch_size=GLOBAL_BATCH_SIZE, verbose=0)
     # The loss in the logs is the global batch's mean, as on one device.
-    report("fit", optimizer, history.history["loss"][-1])
+    report("fit", optimizer, history.history["loss"][-1], "last-epoch mean")
 
 
 # ## TensorFlow: a custom loop under `strategy.run`
@@ -211,7 +212,7 @@ def custom_loop(strategy, steps):
 
     for _ in range(steps):
         loss = train_step(next(batches))
-    report("custom loop", optimizer, float(loss))
+    report("custom loop", optimizer, float(loss), "last-step")
 
     weights = [keras.ops.convert_to_numpy(w) for w in model.weights]
     poisoned_replica.assign(strategy.num_replicas_in_sync - 1)
@@ -297,14 +298,17 @@ def wait_for_workers(processes, timeout=240):
             if process.poll() is None:
                 process.kill()
                 process.wait()
+    checksums = []
     for output in outputs:
-        print("\n".join("  " + line for line in output.strip().splitlines()))
-    checksums = {
-        json.loads(out.splitlines()[-1])["checksum"] for out in outputs
-    }
-    identical = len(checksums) == 1
+        *lines, result = output.strip().splitlines()
+        # The last line is the worker's result, sent as JSON.
+        result = json.loads(result)
+        checksums.append(result["checksum"])
+        print(f"  worker {result['worker']}:")
+        print("\n".join("  " + line for line in lines))
     print(
-        f"  the {len(outputs)} workers end with identical weights: {identical}"
+        f"  the {len(outputs)} workers end with identical weights (sum of "
+        f"all weights {checksums[0]:.6f}): {len(set(checksums)) == 1}"
     )
 
 
@@ -342,7 +346,7 @@ def jax_fit(name, steps, poisoned_rows):
     model.compile(optimizer, "mean_squared_error")
     x, y = make_data(steps)
     history = model.fit(x, y, batch_size=GLOBAL_BATCH_SIZE, verbose=0)
-    report(name, optimizer, history.history["loss"][-1])
+    report(name, optimizer, history.history["loss"][-1], "last-epoch mean")
 
     weights = [keras.ops.convert_to_numpy(w) for w in model.weights]
     x, y = make_data(1)

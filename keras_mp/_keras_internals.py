@@ -26,9 +26,12 @@ __all__ = [
     "QUANTIZATION_MODES",
     "Trainer",
     "accumulated_gradients",
+    "called_by_keras_saving",
     "get_autocast_scope",
     "install_global_policy_lookup",
+    "install_global_policy_setter",
     "install_policy_deserialization",
+    "keras_thread_policy",
     "no_automatic_dependency_tracking",
     "set_keras_thread_policy",
     "stored_dtype",
@@ -85,6 +88,23 @@ def set_keras_thread_policy(policy):
     global_state.set_global_attribute("dtype_policy", policy)
 
 
+def called_by_keras_saving(frame):
+    """Whether `frame` is Keras's saving walking an object's attributes.
+
+    `keras.src.saving.saving_lib._walk_saveable` (keras 3.0 - 3.15) saves
+    every `KerasSaveable` that `dir(obj)` lists; a wrapper hides its inner
+    optimizer from that walk only, to keep the inner optimizer's layout.
+    """
+    return frame is not None and frame.f_globals.get("__name__") == (
+        "keras.src.saving.saving_lib"
+    )
+
+
+def keras_thread_policy():
+    """The policy Keras stores for this thread, or None."""
+    return global_state.get_global_attribute("dtype_policy", None)
+
+
 def install_global_policy_lookup(process_policy):
     """Makes Keras layers see keras_mp's process-global policy in every thread.
 
@@ -126,6 +146,35 @@ def install_global_policy_lookup(process_policy):
         for attribute in ("dtype_policy", "global_policy"):
             if getattr(module, attribute, None) is original:
                 setattr(module, attribute, dtype_policy)
+
+
+def install_global_policy_setter(set_policy):
+    """Makes Keras's own policy setters set keras_mp's global policy.
+
+    `keras.config.set_dtype_policy` and its legacy names
+    `keras.mixed_precision.set_dtype_policy` / `set_global_policy` are one
+    function, `keras.src.dtype_policies.dtype_policy.set_dtype_policy`
+    (keras 3.0 - 3.15), which stores the policy thread-locally. Routed here
+    to `set_policy(policy, keras_setter)`, so that keras_mp's global policy
+    and Keras's are one; `keras_setter` is the original, for policies that
+    only Keras handles (quantized ones).
+    """
+    original = dtype_policy_module.set_dtype_policy
+    if getattr(original, "_keras_mp_hook", False):
+        return
+
+    @functools.wraps(original)
+    def set_dtype_policy(policy):
+        set_policy(policy, original)
+
+    set_dtype_policy._keras_mp_hook = True
+    dtype_policy_module.set_dtype_policy = set_dtype_policy
+    import keras
+
+    for module in (keras.config, keras.mixed_precision):
+        for attribute in ("set_dtype_policy", "set_global_policy"):
+            if getattr(module, attribute, None) is original:
+                setattr(module, attribute, set_dtype_policy)
 
 
 def install_policy_deserialization(keeps_policy):

@@ -12,6 +12,7 @@ import functools
 import keras
 
 from keras_mp import _keras_internals
+from keras_mp.backend import devices
 
 
 class _AutoCastVariableMeta(type):
@@ -46,7 +47,21 @@ class AutoCastVariable(metaclass=_AutoCastVariableMeta):
     'float16'
     """
 
+    # Documentation only (`help(keras_mp.AutoCastVariable)`): the variables
+    # are Keras variables that this class recognizes, never its instances.
+    true_dtype = property(
+        doc="The dtype the variable stores, such as 'float32', everywhere."
+    )
+    dtype = property(
+        doc="The compute dtype inside the call of the layer that owns the "
+        "variable (e.g. 'float16'), the stored dtype elsewhere."
+    )
+    value = property(
+        doc="The value, cast to the compute dtype inside the layer's call."
+    )
+
     def __new__(cls, *args, **kwargs):
+        """Not called by users: `layer.add_weight` creates the variables."""
         raise TypeError(
             "keras_mp.AutoCastVariable is not created directly. Create the "
             "weight with `layer.add_weight(...)` in a layer whose dtype policy "
@@ -55,8 +70,13 @@ class AutoCastVariable(metaclass=_AutoCastVariableMeta):
 
 
 def _policy_casts(layer):
-    policy = layer.dtype_policy
-    return policy.compute_dtype != policy.variable_dtype
+    # `compute_dtype` and `variable_dtype`, not `dtype_policy`'s: a layer
+    # given a DTypePolicyMap answers them from its own entry in the map.
+    return layer.compute_dtype != layer.variable_dtype
+
+
+def _mixed_policy_name(layer):
+    return f"mixed_{keras.backend.standardize_dtype(layer.compute_dtype)}"
 
 
 def _mark(variable):
@@ -94,6 +114,9 @@ def _install_add_weight_hook():
             self
         ):
             _mark(variable)
+            # Here rather than in set_global_policy: creating a variable
+            # initializes the runtime anyway, setting a policy must not.
+            devices.check_hardware_once(_mixed_policy_name(self))
         return variable
 
     add_weight._keras_mp_hook = True

@@ -27,7 +27,54 @@ def add_loss_scale_logger(callbacks, optimizer):
     callbacks = [] if callbacks is None else keras.tree.flatten(callbacks)
     if any(isinstance(c, LossScaleLogger) for c in callbacks):
         return callbacks
+    if not any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks):
+        # Keras adds its own ProgbarLogger only when the list has none.
+        callbacks = [*callbacks, _CountingProgbarLogger()]
     return [LossScaleLogger(), *callbacks]
+
+
+# Logs that count steps: the progress bar shows them as integers.
+_COUNTS = ("skipped_steps",)
+
+
+class _Count(float):
+    """A count that Keras's Progbar prints as `1`, not `1.0000`.
+
+    The Progbar (keras 3.0 - 3.15) divides each logged value by a count of 1
+    and formats the result with `.4f`; both keep the integer here.
+    """
+
+    def __truediv__(self, other):
+        return _Count(float(self) / other)
+
+    def __format__(self, format_spec):
+        return str(int(self))
+
+
+class _CountingProgbar(keras.utils.Progbar):
+    """A Progbar that prints step counts (`skipped_steps`) as integers."""
+
+    def update(self, current, values=None, finalize=None):
+        values = [
+            (key, _Count(value) if key in _COUNTS else value)
+            for key, value in values or []
+        ]
+        super().update(current, values, finalize=finalize)
+
+
+class _CountingProgbarLogger(keras.callbacks.ProgbarLogger):
+    """Keras's progress bar logger, with step counts printed as integers."""
+
+    def _maybe_init_progbar(self):
+        # Keras's own `_maybe_init_progbar` (keras 3.0 - 3.15), with the
+        # Progbar above.
+        if self.progbar is None:
+            self.progbar = _CountingProgbar(
+                target=self.target,
+                verbose=self.verbose,
+                unit_name="step",
+                stateless_metrics=set(),
+            )
 
 
 def find_loss_scale_optimizer(optimizer):

@@ -6,6 +6,8 @@ import numbers
 import keras
 from keras import ops
 
+from keras_mp import _config
+
 
 class LossScale:
     """Base class of loss scales.
@@ -70,10 +72,13 @@ class LossScale:
         return False
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         raise NotImplementedError
 
     @classmethod
     def from_config(cls, config):
+        """Restores a loss scale from `get_config()`'s output."""
+        _config.check_config(cls, config)
         return cls(**config)
 
     def __repr__(self):
@@ -128,6 +133,7 @@ class FixedLossScale(LossScale):
 
     @property
     def loss_scale_value(self):
+        """The fixed scale, a Python float (`self()` is it as a tensor)."""
         return self._loss_scale_value
 
     def __call__(self):
@@ -137,6 +143,7 @@ class FixedLossScale(LossScale):
         return ops.convert_to_tensor(True)
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         return {"loss_scale_value": self._loss_scale_value}
 
 
@@ -349,6 +356,7 @@ class DynamicLossScale(LossScale):
         return is_finite
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         return {
             "initial_loss_scale": self.initial_loss_scale,
             "increment_period": self.increment_period,
@@ -385,10 +393,20 @@ def get(identifier):
                 "`keras.saving.serialize_keras_object` writes it. Received: "
                 f"loss_scale={identifier!r}"
             )
-        loss_scale = keras.saving.deserialize_keras_object(identifier)
+        try:
+            loss_scale = keras.saving.deserialize_keras_object(identifier)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                "Expected a loss scale config, such as "
+                "`keras.saving.serialize_keras_object(keras_mp."
+                "DynamicLossScale())` returns; its 'class_name' is "
+                "'DynamicLossScale' or 'FixedLossScale'. Received: "
+                f"loss_scale={identifier!r}"
+            ) from error
         if not isinstance(loss_scale, LossScale):
             raise ValueError(
-                "The config does not describe a keras_mp loss scale. "
+                "Expected a loss scale config; this one describes a "
+                f"{type(loss_scale).__name__}. "
                 f"Received: loss_scale={identifier!r}"
             )
         return loss_scale

@@ -191,6 +191,7 @@ class Loss(keras.losses.Loss):
         return super().__call__(y_true, y_pred, sample_weight=sample_weight)
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         config = super().get_config()
         config["dtype"] = self.dtype
         return config
@@ -270,6 +271,7 @@ def _counterpart(keras_class, warns_on_low_precision_probabilities=False):
         self._constructor_arguments = arguments
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         config = dict(self._constructor_arguments)
         config.update(super(counterpart, self).get_config())
         return config

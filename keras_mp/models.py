@@ -10,11 +10,15 @@ callbacks, so `loss_scale` and `skipped_steps` reach the logs;
 
 import functools
 import inspect
+import warnings
+import weakref
 
 import keras
 
 from keras_mp import _keras_internals
 from keras_mp import callbacks as callbacks_module
+from keras_mp import policy as policy_module
+from keras_mp.backend import gradients as backend_gradients
 from keras_mp.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras_mp.optimizers.loss_scale_optimizer import (
     _contains_loss_scale_optimizer,
@@ -34,6 +38,7 @@ def wrap_for_policy(optimizer, policy):
         the policy's loss scale when the policy is a keras_mp `Policy` with
         a loss scale and the optimizer does not scale the loss already.
     """
+    policy = _default_of(policy)
     if not isinstance(policy, Policy) or policy.loss_scale is None:
         return optimizer
     optimizer = keras.optimizers.get(optimizer)
@@ -42,6 +47,49 @@ def wrap_for_policy(optimizer, policy):
     template = policy.loss_scale
     loss_scale = type(template).from_config(template.get_config())
     return LossScaleOptimizer(optimizer, loss_scale=loss_scale)
+
+
+def _default_of(policy):
+    # A DTypePolicyMap's entries are per layer; the model as a whole (its
+    # loss scale) follows the map's default policy.
+    return getattr(policy, "default_policy", policy)
+
+
+def _uses(layer, policy):
+    return (
+        keras.backend.standardize_dtype(layer.compute_dtype)
+        == policy.compute_dtype
+        and keras.backend.standardize_dtype(layer.variable_dtype)
+        == policy.variable_dtype
+    )
+
+
+_warned_late_policy = weakref.WeakSet()
+
+
+def _warn_if_built_under_another_policy(model):
+    """Warns once per model built before a global policy with a loss scale."""
+    policy = _default_of(policy_module.global_policy())
+    if not isinstance(policy, Policy) or policy.loss_scale is None:
+        return
+    if isinstance(_default_of(model.dtype_policy), Policy):
+        return
+    layers = [model, *model._flatten_layers(include_self=False)]
+    if any(_uses(layer, policy) for layer in layers if layer.weights):
+        return
+    if model in _warned_late_policy:
+        return
+    _warned_late_policy.add(model)
+    warnings.warn(
+        f"The global policy is {policy.name!r}, but the model "
+        f"{model.name!r} was built under {model.dtype_policy.name!r}: its "
+        "layers compute in "
+        f"{keras.backend.standardize_dtype(model.compute_dtype)} and "
+        "`compile` leaves the optimizer without loss scaling. Call "
+        "`keras_mp.set_global_policy(...)` before building the model.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _wraps_loss_scale_optimizer(optimizer):
@@ -64,7 +112,8 @@ def _install_compile_hook():
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
         arguments = bound.arguments
-        policy = self.dtype_policy
+        policy = _default_of(self.dtype_policy)
+        _warn_if_built_under_another_policy(self)
         if arguments["auto_scale_loss"]:
             if isinstance(policy, Policy) and policy.loss_scale is None:
                 # An explicit `loss_scale=None` means no scaling, also where
@@ -122,3 +171,83 @@ def _install_fit_hook():
 
 
 _install_fit_hook()
+
+
+# Custom train steps: one `train_step` for every policy.
+
+
+def _get_scaled_loss(self, loss):
+    """RFC 293's name for `scale_loss`, on every Keras optimizer.
+
+    A plain optimizer (no loss scale policy) returns `loss` as is, or times
+    its `loss_scale_factor`; `apply` divides that back out of the gradients.
+    Present once keras_mp is imported, so that a custom `train_step` written
+    for a `keras_mp.LossScaleOptimizer` runs unchanged under every policy.
+    """
+    return self.scale_loss(loss)
+
+
+def _get_unscaled_gradients(self, grads):
+    """Returns `grads` as a list: a plain optimizer's `apply` unscales."""
+    return list(grads)
+
+
+def _compute_gradients(self, loss, var_list, tape=None):
+    """The gradients of `scale_loss(loss)` as `(gradient, variable)` pairs.
+
+    Args:
+        loss: A scalar tensor recorded by `tape` (TensorFlow), or a
+            zero-argument callable returning the loss (any backend).
+        var_list: The variables to differentiate with respect to.
+        tape: The `tf.GradientTape` that recorded `loss` (TensorFlow).
+    """
+    var_list = list(var_list)
+    if callable(loss):
+        loss_fn = loss
+
+        def loss():
+            return self.scale_loss(loss_fn())
+
+    elif tape is not None:
+        with tape:
+            loss = self.scale_loss(loss)
+    grads = backend_gradients.compute_gradients(loss, var_list, tape)
+    return list(zip(grads, var_list))
+
+
+def _minimize(self, loss, var_list, tape=None):
+    """Updates `var_list` with the gradients of `loss` (RFC 234's `minimize`).
+
+    Args:
+        loss: A scalar tensor recorded by `tape` (TensorFlow), or a
+            zero-argument callable returning the loss (any backend).
+        var_list: The variables to train.
+        tape: The `tf.GradientTape` that recorded `loss` (TensorFlow).
+
+    Returns:
+        The `iterations` variable.
+    """
+    self.apply_gradients(self.compute_gradients(loss, var_list, tape=tape))
+    return self.iterations
+
+
+_PORTABLE_STEP_METHODS = {
+    "get_scaled_loss": _get_scaled_loss,
+    "get_unscaled_gradients": _get_unscaled_gradients,
+    "compute_gradients": _compute_gradients,
+    "minimize": _minimize,
+}
+
+
+def _install_portable_step_methods():
+    # Under mixed_bfloat16 or float32 `compile` keeps the user's optimizer,
+    # so the RFC 293 / RFC 234 methods a custom train_step calls must exist
+    # on every Keras optimizer, as the identity where nothing is scaled.
+    # keras_mp's wrappers define their own and are left alone.
+    base = keras.optimizers.Optimizer
+    for name, method in _PORTABLE_STEP_METHODS.items():
+        if not hasattr(base, name):
+            setattr(base, name, method)
+
+
+_install_portable_step_methods()

@@ -8,7 +8,6 @@ import keras
 
 from keras_mp import _keras_internals
 from keras_mp import loss_scale as loss_scale_module
-from keras_mp.backend import devices
 
 _MIXED_NAMES = ("mixed_float16", "mixed_bfloat16")
 _VALID_NAMES_TEXT = (
@@ -76,6 +75,7 @@ class Policy(keras.DTypePolicy):
         return self._loss_scale
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         loss_scale = None
         if self._loss_scale is not None:
             loss_scale = keras.saving.serialize_keras_object(self._loss_scale)
@@ -112,13 +112,26 @@ class Policy(keras.DTypePolicy):
 
 
 # Process-global, not thread-local: a layer built in a worker thread (a data
-# pipeline, a model server) must see the policy the main thread set.
+# pipeline, a model server) must see the policy the main thread set. Only a
+# `policy_scope` is per thread.
 _global_policy = None
 _global_policy_lock = threading.Lock()
+_scopes = threading.local()
+# The value of a `policy_scope(None)`: the floatx-tracking default.
+_FLOATX = object()
+
+
+def _scoped_policy():
+    """The policy of this thread's innermost `policy_scope`, or None."""
+    policy = getattr(_scopes, "policy", None)
+    if policy is _FLOATX:
+        return Policy(keras.config.floatx())
+    return policy
 
 
 def _process_policy():
-    return _global_policy
+    scoped = _scoped_policy()
+    return _global_policy if scoped is None else scoped
 
 
 _keras_internals.install_global_policy_lookup(_process_policy)
@@ -132,14 +145,17 @@ def global_policy():
 
     Until `set_global_policy` is called (and again after
     `set_global_policy(None)`), this is a policy named after
-    `keras.config.floatx()`, read afresh on every call.
+    `keras.config.floatx()`, read afresh on every call. Inside a
+    `policy_scope`, this thread sees the scope's policy. A
+    `keras.dtype_policies.DTypePolicyMap` set as the global policy is
+    returned as is.
 
     Example:
 
     >>> keras_mp.global_policy().name
     'float32'
     """
-    policy = _global_policy
+    policy = _process_policy()
     if policy is None:
         return Policy(keras.config.floatx())
     return policy
@@ -150,6 +166,10 @@ def _to_policy(policy):
         return policy
     if isinstance(policy, str):
         return Policy(policy)
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+        # Kept whole: Keras layers look their own path up in the map.
+        _to_policy(policy.default_policy)
+        return policy
     if isinstance(policy, keras.DTypePolicy):
         if policy.quantization_mode is not None:
             raise ValueError(
@@ -160,21 +180,55 @@ def _to_policy(policy):
         return Policy(policy.name)
     raise TypeError(
         "`policy` must be a keras_mp.Policy, a policy name such as "
-        "'mixed_float16', a keras.DTypePolicy or None. "
+        "'mixed_float16', a keras.DTypePolicy, a "
+        "keras.dtype_policies.DTypePolicyMap or None. "
         f"Received: policy={policy!r} (of type {type(policy).__name__})"
     )
+
+
+def _checked(policy):
+    """`policy` as a keras_mp Policy (or DTypePolicyMap), validated."""
+    policy = _to_policy(policy)
+    default = getattr(policy, "default_policy", policy)
+    if not keras.backend.is_float_dtype(default.compute_dtype):
+        raise ValueError(
+            "The global policy must be a floating-point policy, such as "
+            f"'mixed_float16' or 'float32'. Received: policy={policy!r}. "
+            "Give integer dtypes to individual layers with `dtype=`."
+        )
+    if default.name in ("float16", "bfloat16"):
+        warnings.warn(
+            f"The global policy {default.name!r} keeps the variables in "
+            f"{default.name} too, so small weight updates round away and "
+            "training often stalls. Use "
+            f"'mixed_{default.name}' instead: {default.name} compute with "
+            "float32 variables.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return policy
 
 
 def set_global_policy(policy):
     """Sets the global policy, for keras_mp and for Keras's built-in layers.
 
-    Layers created afterwards without a `dtype` use it, and `Model.compile`
-    wraps the optimizer in a `keras_mp.LossScaleOptimizer` when the model's
-    policy has a loss scale.
+    Call it before building models: layers take the global policy when they
+    are created, so a model built earlier keeps the policy it was built
+    with (`compile` warns when that differs from a global policy with a loss
+    scale). Layers created afterwards without a `dtype` use it, and
+    `Model.compile` wraps the optimizer in a `keras_mp.LossScaleOptimizer`
+    when the model's policy has a loss scale.
+
+    `keras.config.set_dtype_policy` (and its legacy name
+    `keras.mixed_precision.set_global_policy`) set this same policy. Setting
+    a policy does not initialize the TensorFlow or JAX runtime: the hardware
+    check runs when the first mixed layer is built.
 
     Args:
-        policy: A `Policy`, a policy name, a `keras.DTypePolicy`, or None to
-            return to following `keras.config.floatx()`.
+        policy: A `Policy`, a policy name, a `keras.DTypePolicy`, a
+            `keras.dtype_policies.DTypePolicyMap` (each layer then takes the
+            entry of its path), or None to return to following
+            `keras.config.floatx()`.
 
     Example:
 
@@ -183,28 +237,23 @@ def set_global_policy(policy):
     'bfloat16'
     >>> keras_mp.set_global_policy(None)
     """
-    global _global_policy
     if policy is not None:
-        policy = _to_policy(policy)
-        if not keras.backend.is_float_dtype(policy.compute_dtype):
-            raise ValueError(
-                "The global policy must be a floating-point policy, such as "
-                f"'mixed_float16' or 'float32'. Received: policy={policy!r}. "
-                "Give integer dtypes to individual layers with `dtype=`."
-            )
-        if policy.name in ("float16", "bfloat16"):
-            warnings.warn(
-                f"The global policy {policy.name!r} keeps the variables in "
-                f"{policy.name} too, so small weight updates round away and "
-                "training often stalls. Use "
-                f"'mixed_{policy.name}' instead: {policy.name} compute with "
-                "float32 variables.",
-                UserWarning,
-                stacklevel=2,
-            )
-        if policy.name in _MIXED_NAMES:
-            devices.check_hardware_once(policy.name)
+        policy = _checked(policy)
     _set_global_policy_unchecked(policy)
+
+
+def _set_from_keras(policy, keras_setter):
+    # `keras.config.set_dtype_policy(policy)`: Keras accepts names that are
+    # not keras_mp policies (quantized ones), which stay Keras's alone.
+    try:
+        converted = _to_policy(policy)
+    except (TypeError, ValueError):
+        keras_setter(policy)
+        return
+    _set_global_policy_unchecked(converted)
+
+
+_keras_internals.install_global_policy_setter(_set_from_keras)
 
 
 def _set_global_policy_unchecked(policy):
@@ -218,10 +267,17 @@ def _set_global_policy_unchecked(policy):
 
 @contextlib.contextmanager
 def policy_scope(policy):
-    """Context manager that sets the global policy and restores the old one.
+    """Context manager that sets the policy for this thread, then restores it.
+
+    The scoped policy is seen only by the thread that opened the scope (by
+    `global_policy()` and by layers created there); other threads keep
+    seeing the global policy, and on exit this thread sees again whatever
+    the scope replaced, even when the block raised or set the global
+    policy.
 
     Args:
-        policy: Anything `set_global_policy` takes.
+        policy: Anything `set_global_policy` takes; None scopes the
+            `keras.config.floatx()` default.
 
     Example:
 
@@ -231,9 +287,13 @@ def policy_scope(policy):
     >>> keras_mp.global_policy().name
     'float32'
     """
-    previous = _global_policy
-    set_global_policy(policy)
+    scoped = _FLOATX if policy is None else _checked(policy)
+    previous = getattr(_scopes, "policy", None)
+    previous_keras = _keras_internals.keras_thread_policy()
+    _scopes.policy = scoped
+    _keras_internals.set_keras_thread_policy(None)
     try:
         yield
     finally:
-        _set_global_policy_unchecked(previous)
+        _scopes.policy = previous
+        _keras_internals.set_keras_thread_policy(previous_keras)

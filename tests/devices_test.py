@@ -158,16 +158,18 @@ class TestWarningText:
         assert devices.compatibility_warning(policy, [P100]) is None
 
 
+def _build_under(name):
+    keras.layers.Dense(1, dtype=name).build((None, 2))
+
+
 class TestCheckOncePerProcess:
     def test_mixed_float16_warns_once_per_process(self, fake_devices):
         fake_devices([GTX1080])
-        first = _warnings_of(
-            lambda: keras_mp.set_global_policy("mixed_float16")
-        )
+        first = _warnings_of(lambda: _build_under("mixed_float16"))
         assert len(first) == 1
         assert "GeForce GTX 1080" in first[0]
         again = _warnings_of(
-            lambda: keras_mp.set_global_policy(keras_mp.Policy("mixed_float16"))
+            lambda: _build_under(keras_mp.Policy("mixed_float16"))
         )
         assert again == []
 
@@ -175,7 +177,7 @@ class TestCheckOncePerProcess:
         fake_devices([_cpu("Old Xeon")])
         caught = _warnings_of(
             lambda: [
-                keras_mp.set_global_policy(name)
+                _build_under(name)
                 for name in ["mixed_float16", "mixed_bfloat16"] * 3
             ]
         )
@@ -186,18 +188,18 @@ class TestCheckOncePerProcess:
     def test_suitable_hardware_does_not_warn(self, fake_devices):
         fake_devices([A100])
         for name in ("mixed_float16", "mixed_bfloat16"):
-            assert (
-                _warnings_of(lambda n=name: keras_mp.set_global_policy(n)) == []
-            )
+            assert _warnings_of(lambda n=name: _build_under(n)) == []
 
-    def test_policy_scope_runs_the_check_too(self, fake_devices):
+    def test_setting_or_scoping_a_policy_does_not_check(self, fake_devices):
         fake_devices([P100])
 
-        def enter():
-            with keras_mp.policy_scope("mixed_float16"):
+        def set_and_scope():
+            keras_mp.set_global_policy("mixed_float16")
+            with keras_mp.policy_scope("mixed_bfloat16"):
                 pass
 
-        assert len(_warnings_of(enter)) == 1
+        assert _warnings_of(set_and_scope) == []
+        assert _warnings_of(lambda: keras.layers.Dense(1).build((None, 2)))
 
     def test_device_lookup_is_skipped_once_checked(
         self, fake_devices, monkeypatch
@@ -209,15 +211,18 @@ class TestCheckOncePerProcess:
             return [A100]
 
         monkeypatch.setattr(devices, "device_details", count)
-        keras_mp.set_global_policy("mixed_float16")
-        keras_mp.set_global_policy("mixed_float16")
+        _build_under("mixed_float16")
+        _build_under("mixed_float16")
         assert len(calls) == 1
 
-    def test_warning_points_at_the_caller(self, fake_devices):
+    def test_warning_points_at_the_line_that_built_the_layer(
+        self, fake_devices
+    ):
         fake_devices([P100])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            keras_mp.set_global_policy("mixed_float16")
+            layer = keras.layers.Dense(1, dtype="mixed_float16")
+            layer.build((None, 2))
         assert caught[0].filename == __file__
 
 

@@ -72,7 +72,15 @@ def test_mixed_precision_guide_writes_the_loss_scale_plot(tmp_path):
 @pytest.mark.slow
 def test_quickstart_prints_accuracy_step_times_and_the_loss_scale():
     output = _run(ROOT / "examples" / "quickstart.py")
-    for expected in ("test accuracy", "median step", "speed-up", "Loss scale:"):
+    for expected in (
+        "train accuracy",
+        "test accuracy",
+        "median step",
+        "speed-up",
+        "Loss scale:",
+        "skipped steps",
+        "weights untouched (True)",
+    ):
         assert expected in output
 
 

@@ -7,6 +7,7 @@ flagged in the targets, so a step is skipped exactly where a test wants it.
 """
 
 import csv
+import re
 
 import keras
 import numpy as np
@@ -190,7 +191,7 @@ def test_progress_bar_shows_loss_scale_and_skipped_steps(capsys):
     _fit(_model(), epochs=1, overflow_batches=[0], verbose=1)
     output = capsys.readouterr().out
     assert "loss_scale: 512.0000" in output
-    assert "skipped_steps: 1.0000" in output
+    assert "skipped_steps: 1\n" in output
 
 
 def test_log_loss_scale_false_leaves_the_logs_unchanged():
@@ -270,3 +271,16 @@ def test_only_epoch_updates_let_keras_dispatch_batch_callbacks_async():
     assert LossScaleLogger().async_safe
     assert not LossScaleLogger(update_freq="batch").async_safe
     assert not LossScaleLogger(update_freq=10).async_safe
+
+
+@pytest.mark.parametrize("verbose", [1, 2])
+def test_progress_bar_prints_skipped_steps_as_an_integer(capsys, verbose):
+    keras_mp.set_global_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mean_squared_error")
+    x = np.ones((8, 3), "float32")
+    model.fit(x, np.ones((8, 1)), batch_size=4, epochs=1, verbose=verbose)
+    output = capsys.readouterr().out
+    assert re.search(r"skipped_steps: \d+\n", output)
+    assert not re.search(r"skipped_steps: \d+\.", output)
+    assert re.search(r"loss_scale: \d+\.0000", output)

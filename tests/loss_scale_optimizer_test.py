@@ -270,7 +270,7 @@ def test_reads_keras3_and_tf_keras_constructor_arguments():
 
 
 def test_bad_input_raises_with_what_was_expected_and_received():
-    with pytest.raises(TypeError, match="Received: optimizer='adam'"):
+    with pytest.raises(TypeError, match="Received: inner_optimizer='adam'"):
         keras_mp.LossScaleOptimizer("adam")
     inner = keras.optimizers.SGD(0.1)
     scaled = keras_mp.LossScaleOptimizer(inner)

@@ -524,7 +524,7 @@ class TestGet:
 
     def test_config_of_another_class_raises_value_error(self):
         config = keras.saving.serialize_keras_object(keras.layers.Dense(1))
-        with pytest.raises(ValueError, match="not describe a keras_mp loss"):
+        with pytest.raises(ValueError, match="Expected a loss scale config"):
             loss_scale_module.get(config)
 
     @pytest.mark.parametrize("value", [True, [2], object()])

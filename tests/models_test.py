@@ -227,3 +227,93 @@ def test_float16_gradients_that_flush_to_zero_train_with_loss_scaling():
         )
     )
     assert np.all(scaled != 0.0)
+
+
+def test_compile_warns_once_when_the_model_predates_a_loss_scaled_policy():
+    import warnings
+
+    model = _sequential()
+    keras_mp.set_global_policy("mixed_float16")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.compile("adam", "mean_squared_error")
+        model.compile("adam", "mean_squared_error")
+    late = [w for w in caught if "before building the model" in str(w.message)]
+    assert len(late) == 1
+    assert "'mixed_float16'" in str(late[0].message)
+    assert late[0].filename == __file__
+
+
+def test_compile_does_not_warn_for_a_model_built_under_the_policy():
+    import warnings
+
+    keras_mp.set_global_policy("mixed_float16")
+    model = _sequential()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.compile("adam", "mean_squared_error")
+    assert not [w for w in caught if issubclass(w.category, UserWarning)]
+
+
+class PortableStepModel(keras.Model):
+    """One custom train_step in the RFC 293 style, for every policy."""
+
+    def __init__(self, style, **kwargs):
+        super().__init__(**kwargs)
+        self.style = style
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.out = keras.layers.Dense(1, dtype="float32")
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(self(x) - y))
+            if self.style == "scaled":
+                scaled = self.optimizer.get_scaled_loss(loss)
+        variables = self.trainable_variables
+        if self.style == "minimize":
+            self.optimizer.minimize(loss, variables, tape=tape)
+        else:
+            grads = tape.gradient(scaled, variables)
+            grads = self.optimizer.get_unscaled_gradients(grads)
+            self.optimizer.apply_gradients(zip(grads, variables))
+        return {"loss": loss}
+
+
+@pytest.mark.backends("tensorflow")
+@pytest.mark.parametrize("style", ["minimize", "scaled"])
+@pytest.mark.parametrize(
+    "policy", ["mixed_float16", "mixed_bfloat16", "float32"]
+)
+def test_one_custom_train_step_runs_under_every_policy(policy, style):
+    keras_mp.set_global_policy(policy)
+    x, labels = _data()
+    y = labels.astype("float32")[:, None]
+    model = PortableStepModel(style)
+    model.compile(keras.optimizers.SGD(0.05), "mean_squared_error")
+    before = model.evaluate(x, y, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=3, verbose=0)
+    assert model.evaluate(x, y, verbose=0) < before
+
+
+def test_plain_optimizers_have_identity_loss_scaling_methods():
+    optimizer = keras.optimizers.Adam()
+    loss = keras.ops.convert_to_tensor(3.0)
+    assert float(optimizer.get_scaled_loss(loss)) == 3.0
+    grads = [keras.ops.ones((2,)), None]
+    assert optimizer.get_unscaled_gradients(grads) == grads
+
+
+def test_plain_optimizer_minimizes_a_callable_loss_on_any_backend():
+    variable = keras.Variable(np.array([2.0, -1.0], "float32"))
+    optimizer = keras.optimizers.SGD(0.25)
+    optimizer.minimize(
+        lambda: keras.ops.sum(keras.ops.square(variable)), [variable]
+    )
+    np.testing.assert_allclose(to_numpy(variable), [1.0, -0.5])
+    assert int(to_numpy(optimizer.iterations)) == 1

@@ -197,7 +197,7 @@ def test_delegation_is_limited_to_hyperparameters():
 
 
 def test_wrapping_a_non_optimizer_raises_type_error():
-    with pytest.raises(TypeError, match="Received: optimizer=.*list"):
+    with pytest.raises(TypeError, match="Received: inner_optimizer=.*list"):
         keras_mp.OptimizerWrapper([1, 2])
     with pytest.raises(TypeError, match="aggregate_gradients"):
         keras_mp.OptimizerWrapper(keras.optimizers.SGD(), aggregate_gradients=3)
@@ -214,3 +214,16 @@ def test_aggregate_gradients_argument_replaces_the_default_sum():
         )
     )
     np.testing.assert_allclose(wrapped, plain * 2.0, rtol=1e-5, atol=1e-7)
+
+
+def test_inner_optimizer_is_the_argument_name_and_optimizer_still_works():
+    by_new_name = keras_mp.OptimizerWrapper(
+        inner_optimizer=keras.optimizers.SGD(0.1)
+    )
+    by_old_name = keras_mp.OptimizerWrapper(optimizer=keras.optimizers.SGD(0.2))
+    assert float(by_new_name.learning_rate) == pytest.approx(0.1)
+    assert float(by_old_name.learning_rate) == pytest.approx(0.2)
+    with pytest.raises(TypeError, match="once"):
+        keras_mp.OptimizerWrapper(
+            keras.optimizers.SGD(), optimizer=keras.optimizers.SGD()
+        )

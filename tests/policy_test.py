@@ -386,13 +386,15 @@ class TestGlobalPolicy:
             warnings.simplefilter("error")
             keras_mp.set_global_policy(name)
 
-    def test_mixed_global_policy_runs_the_hardware_check(self, monkeypatch):
+    def test_hardware_check_waits_for_the_first_mixed_layer(self, monkeypatch):
         checked = []
         monkeypatch.setattr(devices, "check_hardware_once", checked.append)
-        keras_mp.set_global_policy("float32")
         keras_mp.set_global_policy("mixed_bfloat16")
         keras_mp.set_global_policy(keras_mp.Policy("mixed_float16"))
-        assert checked == ["mixed_bfloat16", "mixed_float16"]
+        assert checked == []
+        keras.layers.Dense(1).build((None, 2))
+        keras.layers.Dense(1, dtype="mixed_bfloat16").build((None, 2))
+        assert set(checked) == {"mixed_bfloat16", "mixed_float16"}
 
 
 class TestGlobalPolicyAcrossThreads:
@@ -433,14 +435,106 @@ class TestGlobalPolicyAcrossThreads:
         assert keras.layers.Dense(2).compute_dtype == "float64"
         assert keras.config.dtype_policy().name == "float64"
 
-    def test_policy_scope_in_main_thread_is_seen_by_worker(self):
-        with keras_mp.policy_scope("float64"):
+    def test_policy_scope_is_seen_only_by_its_thread(self):
+        keras_mp.set_global_policy("float64")
+        with keras_mp.policy_scope("mixed_bfloat16"):
+            assert keras.layers.Dense(2).compute_dtype == "bfloat16"
             assert _in_thread(lambda: keras.layers.Dense(2).compute_dtype) == (
                 "float64"
             )
-        assert _in_thread(lambda: keras.layers.Dense(2).compute_dtype) == (
-            "float32"
+            assert _in_thread(lambda: keras_mp.global_policy().name) == (
+                "float64"
+            )
+        assert keras_mp.global_policy().name == "float64"
+
+    def test_scopes_in_two_threads_do_not_leak_into_each_other(self):
+        import threading
+
+        inside = threading.Barrier(2)
+        seen = {}
+
+        def scoped(name):
+            with keras_mp.policy_scope(name):
+                inside.wait(timeout=30)
+                seen[name] = (
+                    keras_mp.global_policy().name,
+                    keras.layers.Dense(1).compute_dtype,
+                )
+                inside.wait(timeout=30)
+
+        threads = [
+            threading.Thread(target=scoped, args=(name,))
+            for name in ("float64", "mixed_bfloat16")
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert seen == {
+            "float64": ("float64", "float64"),
+            "mixed_bfloat16": ("mixed_bfloat16", "bfloat16"),
+        }
+        assert keras_mp.global_policy().name == "float32"
+
+    def test_scope_restores_what_it_replaced_after_a_global_change(self):
+        keras_mp.set_global_policy("float64")
+        with keras_mp.policy_scope("mixed_bfloat16"):
+            keras_mp.set_global_policy("mixed_float16")
+            assert keras_mp.global_policy().name == "mixed_bfloat16"
+        assert keras_mp.global_policy().name == "mixed_float16"
+
+
+class TestOneSourceOfTruthWithKeras:
+    @pytest.mark.parametrize(
+        "setter",
+        [
+            lambda p: keras.mixed_precision.set_global_policy(p),
+            lambda p: keras.mixed_precision.set_dtype_policy(p),
+            lambda p: keras.config.set_dtype_policy(p),
+        ],
+        ids=["set_global_policy", "mixed_precision.set_dtype_policy", "config"],
+    )
+    def test_keras_setters_set_the_keras_mp_global_policy(self, setter):
+        keras_mp.set_global_policy("float64")
+        setter("mixed_bfloat16")
+        assert keras_mp.global_policy().name == "mixed_bfloat16"
+        assert keras.layers.Dense(1).compute_dtype == "bfloat16"
+        assert _in_thread(lambda: keras_mp.global_policy().name) == (
+            "mixed_bfloat16"
         )
+        keras_mp.set_global_policy("float32")
+        assert keras.mixed_precision.global_policy().name == "float32"
+
+    def test_keras_mixed_float16_gets_the_keras_mp_loss_scale(self):
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        policy = keras_mp.global_policy()
+        assert isinstance(policy, keras_mp.Policy)
+        assert isinstance(policy.loss_scale, keras_mp.DynamicLossScale)
+
+    def test_dtype_policy_map_is_accepted_and_its_entries_honoured(self):
+        policy_map = keras.dtype_policies.DTypePolicyMap(
+            default_policy=keras_mp.Policy("mixed_float16")
+        )
+        policy_map["head"] = keras.DTypePolicy("float32")
+        keras_mp.set_global_policy(policy_map)
+        assert keras_mp.global_policy() is policy_map
+        inputs = keras.Input((3,))
+        hidden = keras.layers.Dense(4, name="hidden")
+        head = keras.layers.Dense(1, name="head")
+        model = keras.Model(inputs, head(hidden(inputs)))
+        assert hidden.compute_dtype == "float16"
+        assert isinstance(hidden.kernel, keras_mp.AutoCastVariable)
+        assert head.compute_dtype == "float32"
+        assert not isinstance(head.kernel, keras_mp.AutoCastVariable)
+        model.compile("sgd", "mean_squared_error")
+        assert isinstance(model.optimizer, keras_mp.LossScaleOptimizer)
+
+    def test_dtype_policy_map_of_a_non_float_default_is_rejected(self):
+        policy_map = keras.dtype_policies.DTypePolicyMap(
+            default_policy=keras.DTypePolicy("int32")
+        )
+        with pytest.raises(ValueError, match="floating-point"):
+            keras_mp.set_global_policy(policy_map)
 
 
 class TestPolicyScope:

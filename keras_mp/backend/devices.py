@@ -1,6 +1,7 @@
 """What the accelerator can do, asked of the active Keras backend."""
 
 import platform
+import sys
 import warnings
 
 import keras
@@ -155,32 +156,60 @@ def compatibility_warning(policy_name, details):
             if all(d["native_bfloat16"] for d in details)
             else "'float32'"
         )
-        return (
-            "Mixed precision compatibility check (mixed_float16): float16 "
-            "runs fast only on NVIDIA GPUs of compute capability 7.0 or "
-            f"higher, and this process has {found}. It may run slower than "
-            f"float32 here; {better} is the better choice on these devices. "
-            "keras_mp.recommend_policy() measures which is fastest."
+        return _lines(
+            "Mixed precision compatibility check (mixed_float16):",
+            "float16 runs fast only on NVIDIA GPUs of compute capability 7.0 "
+            f"or higher, and this process has {found}.",
+            f"It may run slower than float32 here; {better} is the better "
+            "choice on these devices.",
+            "keras_mp.recommend_policy() measures which is fastest.",
         )
     if policy_name == "mixed_bfloat16":
         if all(d["native_bfloat16"] for d in details):
             return None
-        return (
-            "Mixed precision compatibility check (mixed_bfloat16): the "
-            f"devices of this process ({found}) have no native bfloat16 "
-            "support, so bfloat16 is emulated and may run slower than "
-            "float32; 'float32' is the better choice here (or "
-            "'mixed_float16' on an NVIDIA GPU of compute capability 7.0 or "
-            "higher). keras_mp.recommend_policy() measures which is fastest."
+        return _lines(
+            "Mixed precision compatibility check (mixed_bfloat16):",
+            f"the devices of this process ({found}) have no native bfloat16 "
+            "support, so bfloat16 is emulated and may run slower than float32.",
+            "'float32' is the better choice here (or 'mixed_float16' on an "
+            "NVIDIA GPU of compute capability 7.0 or higher).",
+            "keras_mp.recommend_policy() measures which is fastest.",
         )
     return None
 
 
+def _lines(*lines):
+    # One short line each: a warning is read in a terminal or a notebook.
+    return "\n  ".join(lines)
+
+
 def check_hardware_once(policy_name):
-    """Warns once per process and policy if the devices suit it poorly."""
+    """Warns once per process and policy if the devices suit it poorly.
+
+    Called when the first layer of a mixed policy creates its weights, not
+    when the policy is set: asking for the devices initializes the runtime
+    (TensorFlow's devices, JAX's backend), which a policy call must leave to
+    the program (`tf.config.set_logical_device_configuration`,
+    `jax.distributed.initialize`).
+    """
     if policy_name in _checked_policies:
         return
     _checked_policies.add(policy_name)
+    if policy_name not in ("mixed_float16", "mixed_bfloat16"):
+        return
     message = compatibility_warning(policy_name, device_details())
     if message is not None:
-        warnings.warn(message, UserWarning, stacklevel=3)
+        warnings.warn(message, UserWarning, stacklevel=_caller_stacklevel())
+
+
+def _caller_stacklevel():
+    # The first frame outside keras_mp, Keras and the backends: the user's
+    # line that built the layer (Python 3.12's skip_file_prefixes, by hand).
+    internal = {"keras_mp", "keras", "tensorflow", "jax", "torch"}
+    frame, level = sys._getframe(2), 2
+    while frame is not None:
+        package = frame.f_globals.get("__name__", "").partition(".")[0]
+        if package not in internal:
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2

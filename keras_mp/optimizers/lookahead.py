@@ -1,5 +1,7 @@
 """Lookahead: an optimizer wrapper written on the RFC 234 pipeline."""
 
+import numbers
+
 import keras
 from keras import ops
 
@@ -36,6 +38,14 @@ class Lookahead(OptimizerWrapper):
         if isinstance(sync_period, bool) or not isinstance(sync_period, int):
             raise TypeError(
                 f"`sync_period` must be an int. Received: {sync_period!r}"
+            )
+        if isinstance(slow_step_size, bool) or not isinstance(
+            slow_step_size, numbers.Real
+        ):
+            raise TypeError(
+                "`slow_step_size` must be a number in (0, 1]. Received: "
+                f"slow_step_size={slow_step_size!r} (of type "
+                f"{type(slow_step_size).__name__})"
             )
         if sync_period < 1 or not 0.0 < slow_step_size <= 1.0:
             raise ValueError(
@@ -76,6 +86,7 @@ class Lookahead(OptimizerWrapper):
             variable.assign(ops.where(sync, moved, fast_value))
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         config = super().get_config()
         config.update(
             sync_period=self.sync_period, slow_step_size=self.slow_step_size

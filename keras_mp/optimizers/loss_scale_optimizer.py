@@ -9,6 +9,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_mp import _config
 from keras_mp import _keras_internals
 from keras_mp import loss_scale as loss_scale_module
 from keras_mp.backend import gradients as backend_gradients
@@ -38,7 +39,10 @@ def _loss_scale_from_legacy(dynamic, initial_scale, dynamic_growth_steps):
             kwargs["initial_loss_scale"] = initial_scale
         if dynamic_growth_steps is not None:
             kwargs["increment_period"] = dynamic_growth_steps
-        return loss_scale_module.DynamicLossScale(**kwargs)
+        try:
+            return loss_scale_module.DynamicLossScale(**kwargs)
+        except (TypeError, ValueError) as error:
+            raise type(error)(_in_legacy_names(str(error))) from None
     if dynamic_growth_steps is not None:
         raise ValueError(
             "`dynamic_growth_steps` only applies to a dynamic loss scale. "
@@ -51,7 +55,21 @@ def _loss_scale_from_legacy(dynamic, initial_scale, dynamic_growth_steps):
             "Received: initial_scale=None. Pass e.g. initial_scale=128, or "
             "loss_scale=128."
         )
-    return loss_scale_module.FixedLossScale(initial_scale)
+    try:
+        return loss_scale_module.FixedLossScale(initial_scale)
+    except (TypeError, ValueError) as error:
+        raise type(error)(_in_legacy_names(str(error))) from None
+
+
+def _in_legacy_names(message):
+    # The user wrote Keras 3's names; the error must not name DynamicLossScale's.
+    for name, legacy in (
+        ("initial_loss_scale", "initial_scale"),
+        ("loss_scale_value", "initial_scale"),
+        ("increment_period", "dynamic_growth_steps"),
+    ):
+        message = message.replace(name, legacy)
+    return message
 
 
 def _contains_loss_scale_optimizer(optimizer):
@@ -616,6 +634,7 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
 
     # -------------------------------------------------------- serialization
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         config = super().get_config()
         config["inner_optimizer"] = config.pop("optimizer")
         config["loss_scale"] = keras.saving.serialize_keras_object(
@@ -628,8 +647,12 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         # Keras's and tf.keras's name for the wrapped optimizer.
-        config = dict(config)
-        config["optimizer"] = config.pop("inner_optimizer")
+        if isinstance(config, dict) and "optimizer" in config:
+            config = dict(config)  # tf.keras's and Keras 3's key.
+        else:
+            _config.check_config(cls, config, required=("inner_optimizer",))
+            config = dict(config)
+            config["optimizer"] = config.pop("inner_optimizer")
         return super().from_config(config, custom_objects=custom_objects)
 
 

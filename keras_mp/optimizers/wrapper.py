@@ -1,5 +1,6 @@
 """OptimizerWrapper: delegation to an inner optimizer and the RFC 234 pipeline."""
 
+import sys
 import warnings
 import weakref
 
@@ -7,8 +8,10 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_mp import _config
 from keras_mp import _keras_internals
 from keras_mp import transforms as transforms_module
+from keras_mp.backend import collectives
 from keras_mp.backend import gradients as backend_gradients
 from keras_mp.backend import training_state
 
@@ -119,7 +122,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
     method can never silently bypass the wrapper.
 
     Args:
-        optimizer: The `keras.optimizers.Optimizer` to wrap.
+        inner_optimizer: The `keras.optimizers.Optimizer` to wrap, as in
+            `keras_mp.LossScaleOptimizer` and Keras. (`optimizer=` works
+            too, the name of earlier releases.)
         transform_gradients: Gradient transforms run in stage 5, in order:
             `keras_mp.transforms` instances, registered names, `(name,
             config)` pairs or plain callables taking and returning
@@ -144,16 +149,25 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
 
     def __init__(
         self,
-        optimizer,
+        inner_optimizer=None,
         transform_gradients=None,
         aggregate_gradients=None,
         name=None,
         **kwargs,
     ):
+        if "optimizer" in kwargs:
+            if inner_optimizer is not None:
+                raise TypeError(
+                    "Pass the optimizer to wrap once, as `inner_optimizer`. "
+                    f"Received: inner_optimizer={inner_optimizer!r} and "
+                    f"optimizer={kwargs['optimizer']!r}"
+                )
+            inner_optimizer = kwargs.pop("optimizer")
+        optimizer = inner_optimizer
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise TypeError(
                 f"{type(self).__name__} wraps a keras.optimizers.Optimizer. "
-                f"Received: optimizer={optimizer!r} (of type "
+                f"Received: inner_optimizer={optimizer!r} (of type "
                 f"{type(optimizer).__name__}). Pass e.g. "
                 "keras.optimizers.Adam(1e-3)."
             )
@@ -225,7 +239,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
 
     def __dir__(self):
         names = set(super().__dir__()) | set(self._delegated)
-        return sorted(names - set(_HIDDEN_FROM_SAVING))
+        if _keras_internals.called_by_keras_saving(sys._getframe(1)):
+            return sorted(names - set(_HIDDEN_FROM_SAVING))
+        return sorted(names - {"_inner_optimizer"})
 
     @property
     def learning_rate(self):
@@ -385,6 +401,7 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             # whose weights live in their layers; built then, the optimizer
             # would have no slots for the real variables.
             return
+        collectives.use_distinct_collective_keys()
         if not self._inner_optimizer.built:
             self._inner_optimizer.build(var_list)
         self._trainable_variables = var_list[:]
@@ -629,6 +646,7 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
 
     # -------------------------------------------------------- serialization
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         config = {
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(
@@ -646,6 +664,7 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        _config.check_config(cls, config, required=("optimizer",))
         config = dict(config)
         optimizer = keras.saving.deserialize_keras_object(
             config.pop("optimizer"), custom_objects=custom_objects

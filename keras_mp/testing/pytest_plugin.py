@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 import keras_mp  # noqa: E402
 from keras_mp import losses as losses_module  # noqa: E402
 from keras_mp import policy as policy_module  # noqa: E402
+from keras_mp.backend import devices  # noqa: E402
 
 
 def pytest_report_header(config):
@@ -35,8 +36,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def reset_global_state():
-    """Each test starts with no global policy, float32 floatx, fresh names."""
+    """Each test starts with no global policy, float32 floatx, fresh names.
+
+    The hardware check counts as done, so that building mixed layers on a
+    CPU does not warn in every test; tests of the check reset it.
+    """
     policy_module._set_global_policy_unchecked(None)
+    devices._checked_policies.update(("mixed_float16", "mixed_bfloat16"))
     losses_module._warned_loss_classes.clear()
     keras.config.set_floatx("float32")
     # free_memory=False: the default gc.collect() costs 0.2-0.3 s per test.

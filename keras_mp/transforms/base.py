@@ -15,6 +15,7 @@ import re
 import keras
 import numpy as np
 
+from keras_mp import _config
 from keras_mp import _keras_internals
 
 # Short snake_case name -> Transform subclass.
@@ -324,6 +325,8 @@ class Transform:
 
     @classmethod
     def from_config(cls, config):
+        """Restores a transform from `get_config()`'s output."""
+        _config.check_config(cls, config)
         return cls(**config)
 
     # ----------------------------------------------------------------- state
@@ -434,6 +437,7 @@ class CallableTransform(Transform):
         return self.fn(grads_and_vars)
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         raise TypeError(
             f"Transform {self.name!r} wraps the plain callable {self.fn!r}, "
             "which cannot be serialized. To save it, subclass "
@@ -513,6 +517,7 @@ class Chain(Transform):
         return grads_and_vars
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         config = super().get_config()
         config["transforms"] = [serialize(t) for t in self._transforms]
         return config

@@ -89,6 +89,7 @@ class ClipByValue(Transform):
         ]
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         config = super().get_config()
         config["clip_value"] = self.clip_value
         return config
@@ -139,6 +140,7 @@ class ClipByNorm(Transform):
         ]
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         config = super().get_config()
         config["clip_norm"] = self.clip_norm
         return config
@@ -182,6 +184,7 @@ class ClipByGlobalNorm(Transform):
         return _scale_all(grads_and_vars, scale)
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         config = super().get_config()
         config["max_norm"] = self.max_norm
         return config
@@ -257,6 +260,7 @@ class AdaptiveClipByGlobalNorm(Transform):
         return _scale_all(grads_and_vars, scale)
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         config = super().get_config()
         config["multiplier"] = self.multiplier
         config["decay"] = self.decay

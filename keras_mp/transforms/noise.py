@@ -79,6 +79,7 @@ class GaussianNoise(Transform):
         return result
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         config = super().get_config()
         config["stddev"] = self.stddev
         config["seed"] = self.seed

@@ -117,6 +117,7 @@ class DecoupledWeightDecay(Transform):
         return grads_and_vars
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         config = super().get_config()
         config["weight_decay"] = self.weight_decay
         config["exclude_from_weight_decay"] = self.exclude_from_weight_decay

@@ -51,6 +51,7 @@ class ReplaceNonFinite(Transform):
         ]
 
     def get_config(self):
+        """Every constructor argument, as `from_config` takes it."""
         config = super().get_config()
         config["value"] = self.value
         return config
