@@ -491,6 +491,14 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             return
         variables = [v for _, v in grads_and_vars]
         targets = _unique(variables + self.variables)
+        if (
+            keras.backend.backend() == "torch"
+            and not _keras_internals.in_stateless_scope()
+        ):
+            backend_gradients.update_in_place_unless_skipped(
+                condition, self._transform_and_apply, grads_and_vars, targets
+            )
+            return
         current = [t.value for t in targets]
 
         def applied():
