@@ -95,3 +95,37 @@ def test_torch_skipped_step_keeps_weights_and_adam_state_torch_equal(poison):
     assert int(to_numpy(optimizer.iterations)) == 2
     assert int(to_numpy(optimizer.skipped_steps)) == 1
     assert float(to_numpy(optimizer.loss_scale())) == 512.0
+
+
+@pytest.mark.backends("torch")
+def test_torch_rfc293_loop_matches_backward_and_apply_through_an_overflow():
+    import torch
+
+    x = np.random.default_rng(0).normal(size=(6, 4)).astype("float32")
+    batches = [x, x, x * np.inf, x]
+    results = []
+    for style in ("rfc293", "keras3"):
+        model, optimizer = _model_and_optimizer()
+        variables = model.trainable_variables
+        for batch in batches:
+            batch = torch.as_tensor(batch)
+            if style == "rfc293":
+                loss = ops.mean(ops.square(model(batch)))
+                scaled_grads = torch.autograd.grad(
+                    optimizer.get_scaled_loss(loss),
+                    [v.value for v in variables],
+                )
+                grads = optimizer.get_unscaled_gradients(scaled_grads)
+                with torch.no_grad():
+                    optimizer.apply_gradients(zip(grads, variables))
+            else:
+                model.zero_grad()
+                loss = ops.mean(ops.square(model(batch)))
+                optimizer.scale_loss(loss).backward()
+                with torch.no_grad():
+                    optimizer.apply([v.value.grad for v in variables])
+        assert int(to_numpy(optimizer.skipped_steps)) == 1
+        assert int(to_numpy(optimizer.iterations)) == 3
+        results.append([to_numpy(v) for v in model.weights])
+    for rfc293, keras3 in zip(*results):
+        np.testing.assert_allclose(rfc293, keras3, rtol=1e-6, atol=1e-7)
