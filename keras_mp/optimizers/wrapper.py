@@ -476,9 +476,12 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
 
         On a skipped step every model and optimizer variable keeps its exact
         value. Inside TensorFlow graphs the branches update variables in
-        place; elsewhere (JAX) the applied branch runs in a stateless scope
-        and its results are selected, so this also works in `jax.jit` and in
-        `stateless_apply`.
+        place. On PyTorch the update runs in place and each variable is then
+        selected between its new and its saved value on the device, so the
+        condition never becomes a Python bool (no host sync). Elsewhere (JAX,
+        and any stateless scope) the applied branch runs in a stateless
+        scope and its results are selected, so this also works in `jax.jit`
+        and in `stateless_apply`.
         """
         if keras.backend.backend() == "tensorflow":
             # The update's inputs go in as an argument, not in a closure:
