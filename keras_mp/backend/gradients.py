@@ -194,12 +194,14 @@ def update_in_place_unless_skipped(condition, update, grads_and_vars, targets):
     """Runs `update(grads_and_vars)` in place; `targets` keep their values
     bit for bit where the bool tensor `condition` is False.
 
-    PyTorch only. The update runs unconditionally on copies' originals, then
-    each target is selected with `torch.where` between its new and its saved
-    value, so the decision never leaves the device: no tensor becomes a
-    Python bool, and a GPU step never waits for the host (`ops.cond` on
-    torch, as torch AMP's GradScaler, reads the flag on the host every
-    step). `targets` must hold every variable `update` may write.
+    PyTorch only. Each target's value is saved, the update runs in place
+    whatever `condition` is, then each target is selected with `torch.where`
+    between its new and its saved value. The decision never leaves the
+    device: no tensor becomes a Python bool, and a GPU step never waits for
+    the host (`ops.cond` on torch, like torch AMP's GradScaler, reads the
+    flag on the host every step). The price is one copy of the targets
+    (weights and optimizer state) and one select per step. `targets` must
+    hold every variable `update` may write.
     """
     import torch
 
