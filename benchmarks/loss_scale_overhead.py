@@ -20,9 +20,16 @@ of a repeat is its `fit` time divided by the steps, and the table shows the
 median over repeats, of wall time and of this process's CPU time (the
 steadier figure on a machine shared with other work). Each ratio is given
 as the ratio of the medians and, steadier under a drifting load, as the
-median of the ratios within each repeat ("paired"):
+median of the ratios within each repeat ("paired").
+
+On PyTorch, whose `fit` runs eagerly, it also counts the host syncs each
+variant's optimizer makes per step (tensors converted to Python values,
+which make a GPU step wait for the host; see
+`keras_mp.testing.count_host_syncs`): Keras's LossScaleOptimizer decides
+the skip with a Python `if` on the device's flag, keras_mp on the device:
 
     KERAS_BACKEND=jax python benchmarks/loss_scale_overhead.py
+    KERAS_BACKEND=torch OMP_NUM_THREADS=1 python benchmarks/loss_scale_overhead.py
     KERAS_BACKEND=tensorflow python benchmarks/loss_scale_overhead.py \\
         --steps 200 --repeats 7
 """
@@ -34,6 +41,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import argparse
+import collections
 import statistics
 import time
 
@@ -41,6 +49,7 @@ import keras
 import numpy as np
 
 import keras_mp
+from keras_mp.testing import count_host_syncs
 
 VARIANTS = ("plain", "keras", "keras_mp")
 RATIOS = (("keras_mp", "plain"), ("keras_mp", "keras"), ("keras", "plain"))
@@ -126,11 +135,34 @@ def fit_seconds(model, data, batch_size):
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+def optimizer_host_syncs(model, data, batch_size):
+    """Host syncs per step inside `model.optimizer.apply` during `fit`."""
+    x, y = data
+    steps = len(x) // batch_size
+    counts = collections.Counter()
+    optimizer = model.optimizer
+    apply = optimizer.apply
+
+    def counting_apply(*args, **kwargs):
+        with count_host_syncs() as syncs:
+            result = apply(*args, **kwargs)
+        counts.update(syncs)
+        return result
+
+    optimizer.apply = counting_apply
+    try:
+        model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
+    finally:
+        del optimizer.apply
+    return sum(counts.values()) / steps
+
+
 def run(args):
     """Times the three variants.
 
     Returns:
-        `{variant: [(wall, cpu) seconds per step, one pair a repeat]}`.
+        `({variant: [(wall, cpu) seconds per step, one pair a repeat]},
+        {variant: host syncs per optimizer step} on torch, else None)`.
     """
     # No policy loss scale: `compile` must leave the plain variant unwrapped.
     keras_mp.set_global_policy(keras_mp.Policy(args.policy, loss_scale=None))
@@ -139,6 +171,12 @@ def run(args):
     timed = make_data(args, args.steps)
     for model in models.values():
         fit_seconds(model, warmup, args.batch_size)
+    syncs = None
+    if keras.backend.backend() == "torch":
+        syncs = {
+            variant: optimizer_host_syncs(model, warmup, args.batch_size)
+            for variant, model in models.items()
+        }
     step_times = {variant: [] for variant in VARIANTS}
     for repeat in range(args.repeats):
         shift = repeat % len(VARIANTS)
@@ -153,10 +191,10 @@ def run(args):
                 f"The {variant} loss scale moved to {scale} during the "
                 "benchmark (an overflow), so its steps were not comparable."
             )
-    return step_times
+    return step_times, syncs
 
 
-def format_table(args, step_times):
+def format_table(args, step_times, syncs=None):
     def median(variant, column):
         return statistics.median(t[column] for t in step_times[variant])
 
@@ -195,12 +233,16 @@ def format_table(args, step_times):
             f"{numerator + '/' + denominator:<15} "
             + " ".join(f"{figure:>7.3f}" for figure in figures)
         )
+    if syncs is not None:
+        lines.append("host syncs per optimizer step (torch)")
+        for variant in VARIANTS:
+            lines.append(f"{variant + '-syncs':<15} {syncs[variant]:>7.2f}")
     return "\n".join(lines)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    print(format_table(args, run(args)))
+    print(format_table(args, *run(args)))
 
 
 if __name__ == "__main__":

@@ -12,8 +12,13 @@ section that runs is chosen by the backend:
   `get_unscaled_gradients` / `apply_gradients`.
 - JAX: a pure, jitted step on explicit state: `model.stateless_call`,
   `jax.value_and_grad` of the *scaled* loss, `optimizer.stateless_apply`.
+- PyTorch: an eager loop, first with `scale_loss(loss).backward()` and
+  `optimizer.apply(grads)` under `torch.no_grad()`, then with RFC 293's
+  `get_scaled_loss` / `torch.autograd.grad` / `get_unscaled_gradients` /
+  `apply_gradients`. No step converts a tensor to a Python value: the skip
+  is decided on the device.
 
-Both then feed one batch that overflows and check that the step was skipped
+Each then feeds one batch that overflows and check that the step was skipped
 with every weight left bit for bit as it was.
 
 How the optimizer knows whether to divide by the scale: it records, while
@@ -32,6 +37,7 @@ the step is built, what you called since the last update.
 
     python guides/custom_training_loops.py            # TensorFlow section
     KERAS_BACKEND=jax python guides/custom_training_loops.py
+    KERAS_BACKEND=torch python guides/custom_training_loops.py
     python guides/custom_training_loops.py --quick    # a few steps (CI)
 """
 
@@ -269,6 +275,74 @@ def run_jax(steps):
     after_step_checks(model, optimizer, before)
 
 
+# ## PyTorch: backward() and apply
+#
+# The loop Keras's guide "Customizing what happens in `fit()` with PyTorch"
+# writes, with one change: `backward()` runs on the *scaled* loss. The
+# optimizer gets the scaled gradients, unscales them, updates the scale and
+# skips the update on overflow. It applies the update in place and then
+# selects each variable between its new and its old value with
+# `torch.where`, so the step never waits for the host to read an overflow
+# flag (torch AMP's GradScaler reads one every step).
+
+
+def torch_backward(model, optimizer, loss_fn, steps):
+    import torch
+
+    def train_step(x, y):
+        model.zero_grad()
+        loss = loss_fn(y, model(x, training=True))
+        optimizer.scale_loss(loss).backward()
+        grads = [v.value.grad for v in model.trainable_variables]
+        with torch.no_grad():
+            optimizer.apply(grads, model.trainable_variables)
+        return loss
+
+    for x, y in batches(steps):
+        train_step(x, y)
+    return train_step
+
+
+# The explicit RFC 293 form on PyTorch: `torch.autograd.grad` of the scaled
+# loss with respect to the variables' tensors, then `get_unscaled_gradients`
+# and `apply_gradients`, which does not divide them again.
+
+
+def torch_explicit(model, optimizer, loss_fn, steps):
+    import torch
+
+    variables = model.trainable_variables
+    for x, y in batches(steps):
+        loss = loss_fn(y, model(x, training=True))
+        scaled_loss = optimizer.get_scaled_loss(loss)
+        scaled_grads = torch.autograd.grad(
+            scaled_loss, [v.value for v in variables]
+        )
+        grads = optimizer.get_unscaled_gradients(scaled_grads)
+        with torch.no_grad():
+            optimizer.apply_gradients(zip(grads, variables))
+
+
+def run_torch(steps):
+    model, optimizer, loss_fn = setup()
+    print("PyTorch, scale_loss(loss).backward() + optimizer.apply:")
+    train_step = torch_backward(model, optimizer, loss_fn, steps)
+    report(model, optimizer)
+
+    print("One overflowing batch through the same step:")
+    before = [
+        np.array(keras.ops.convert_to_numpy(v.value))
+        for v in model.variables + optimizer.variables
+    ]
+    train_step(*overflowing_batch())
+    after_step_checks(model, optimizer, before)
+
+    print("PyTorch, get_scaled_loss / autograd.grad / get_unscaled_gradients:")
+    model, optimizer, loss_fn = setup()
+    torch_explicit(model, optimizer, loss_fn, steps)
+    report(model, optimizer)
+
+
 def after_step_checks(model, optimizer, before):
     after = [
         np.array(keras.ops.convert_to_numpy(v.value))
@@ -298,6 +372,8 @@ def main(argv=None):
         run_tensorflow(steps)
     elif backend == "jax":
         run_jax(steps)
+    elif backend == "torch":
+        run_torch(steps)
     else:
         print(
             f"No section for the {backend} backend; use fit (see the guide "

@@ -18,6 +18,10 @@ The section that runs is chosen by the backend:
 - JAX: `keras.distribution.DataParallel` (the batch split across devices),
   then `keras.distribution.ModelParallel` (a Dense kernel split across
   devices), both with `fit`.
+- PyTorch: Keras has no distribution API for torch. Two processes on this
+  machine join a `torch.distributed` process group (gloo, 127.0.0.1) and
+  pass `aggregate_gradients=` a callable that all-reduces the gradients;
+  each runs a `backward()` + `apply` loop on its half of every batch.
 
 On a machine without accelerators the CPU is split into two devices, so
 every section runs anywhere. Each ends with one batch that is NaN on one
@@ -25,6 +29,7 @@ device only, and shows that every device skipped it.
 
     python guides/distributed_training.py            # TensorFlow section
     KERAS_BACKEND=jax python guides/distributed_training.py
+    KERAS_BACKEND=torch python guides/distributed_training.py
     python guides/distributed_training.py --quick    # a few steps (CI)
 """
 
@@ -63,8 +68,8 @@ def parse_args(argv=None):
         "--worker",
         type=int,
         default=None,
-        help="run as this MultiWorkerMirroredStrategy worker (set by the "
-        "guide itself when it starts its workers)",
+        help="run as this MultiWorkerMirroredStrategy worker or torch "
+        "process (set by the guide itself when it starts them)",
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -412,18 +417,117 @@ def run_jax(steps):
     # first and then runs this same code.
 
 
+# ## PyTorch: torch.distributed and `aggregate_gradients=`
+#
+# The optimizer's stage 4, `aggregate_gradients`, takes a callable: here one
+# that sums each gradient over the process group with
+# `torch.distributed.all_reduce` and divides by the number of processes (the
+# mean, as DistributedDataParallel computes it). Everything after it, the
+# finite check included, then sees the same gradients in every process, so
+# one process's NaN makes every process skip the step and lower its scale,
+# and the copies of the model stay identical. Each process starts from the
+# same seed, so the weights start identical too. On GPUs, use the "nccl"
+# backend and one process per GPU; the all-reduce then runs on the device
+# and the step still never waits for the host.
+
+
+def all_reduce_mean(grads_and_vars):
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size()
+    for grad, _ in grads_and_vars:
+        if grad is not None:
+            dist.all_reduce(grad)
+            grad.div_(world_size)
+    return grads_and_vars
+
+
+def run_torch_process(rank, steps):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=os.environ["KERAS_MP_GUIDE_INIT_METHOD"],
+        rank=rank,
+        world_size=2,
+    )
+    set_policy()
+    model = make_model()
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.Adam(1e-3), aggregate_gradients=all_reduce_mean
+    )
+    loss_fn = keras.losses.MeanSquaredError()
+    variables = model.trainable_variables
+    half = GLOBAL_BATCH_SIZE // 2
+
+    def train_step(x, y):
+        model.zero_grad()
+        loss = loss_fn(y, model(x, training=True))
+        optimizer.scale_loss(loss).backward()
+        with torch.no_grad():
+            optimizer.apply([v.value.grad for v in variables], variables)
+        return loss
+
+    x, y = make_data(steps + 1)
+    for step in range(steps + 1):
+        rows = slice(
+            step * GLOBAL_BATCH_SIZE + rank * half,
+            step * GLOBAL_BATCH_SIZE + (rank + 1) * half,
+        )
+        x_step, y_step = x[rows], y[rows].copy()
+        if step == steps and rank == 1:
+            # The last batch is NaN in process 1 only.
+            y_step[0] = np.nan
+        loss = train_step(torch.as_tensor(x_step), torch.as_tensor(y_step))
+    report(f"process {rank}", optimizer, to_float(loss))
+    checksum = sum(
+        float(np.sum(keras.ops.convert_to_numpy(w))) for w in model.weights
+    )
+    dist.destroy_process_group()
+    print(json.dumps({"worker": rank, "checksum": checksum}))
+
+
+def run_torch(steps):
+    print("torch.distributed (gloo), two processes on this machine:")
+    env = dict(
+        os.environ,
+        KERAS_MP_GUIDE_INIT_METHOD=f"tcp://127.0.0.1:{free_port()}",
+    )
+    processes = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(rank)]
+            + ["--steps", str(steps)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    wait_for_workers(processes)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    if args.worker is not None:
-        run_worker(args.worker, args.steps)
-        return
     backend = keras.backend.backend()
+    if args.worker is not None:
+        if backend == "torch":
+            run_torch_process(args.worker, args.steps)
+        else:
+            run_worker(args.worker, args.steps)
+        return
     if backend == "tensorflow":
         run_tensorflow(args.steps)
     elif backend == "jax":
         run_jax(args.steps)
+    elif backend == "torch":
+        run_torch(args.steps)
     else:
-        print(f"This guide has TensorFlow and JAX sections, not {backend}.")
+        print(
+            "This guide has TensorFlow, JAX and PyTorch sections, not "
+            f"{backend}."
+        )
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """keras_mp: complete mixed precision and customizable optimizers for Keras 3.
 
 The public API of RFC 293 (Keras Mixed Precision API) and RFC 234 (Easily
-Customizable Optimizer.minimize) on every Keras 3 backend.
+Customizable Optimizer.minimize) on the TensorFlow, JAX and PyTorch backends
+of Keras 3.
 """
 
+# First: it raises ImportError under a backend keras_mp does not support.
+from keras_mp import _supported_backends  # noqa: F401, I001
 from keras_mp import callbacks
 from keras_mp import losses
 from keras_mp import models

@@ -11,6 +11,7 @@ import functools
 
 # Checked against keras 3.10 - 3.15.
 from keras.src.backend.common import global_state
+from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.common.variables import AutocastScope
 from keras.src.backend.common.variables import get_autocast_scope
 from keras.src.dtype_policies import dtype_policy as dtype_policy_module
@@ -28,6 +29,7 @@ __all__ = [
     "accumulated_gradients",
     "called_by_keras_saving",
     "get_autocast_scope",
+    "in_stateless_scope",
     "install_global_policy_lookup",
     "install_global_policy_setter",
     "install_policy_deserialization",

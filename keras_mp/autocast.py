@@ -86,6 +86,7 @@ def _mark(variable):
     if keras.backend.is_float_dtype(dtype):
         variable.true_dtype = dtype
         variable._keras_mp_autocast = True
+        variable.assign = _at_stored_precision(variable.assign)
         variable.assign_add = _at_stored_precision(variable.assign_add)
         variable.assign_sub = _at_stored_precision(variable.assign_sub)
 
@@ -93,7 +94,9 @@ def _mark(variable):
 def _at_stored_precision(update):
     # Keras's assign_add reads the variable through the autocast scope, so
     # inside a mixed layer's call the sum would be rounded to the compute
-    # dtype before it is stored.
+    # dtype before it is stored. On torch, `assign` itself writes into
+    # `variable.value`, which inside that scope is a temporary cast copy:
+    # the write would be lost.
     @functools.wraps(update)
     def update_at_stored_precision(value):
         with _keras_internals.without_autocast():

@@ -188,7 +188,13 @@ class Loss(keras.losses.Loss):
             dtype = _low_precision_dtype(y_pred)
             if dtype is not None:
                 _warn_once_about_low_precision_probabilities(self, dtype)
-        return super().__call__(y_true, y_pred, sample_weight=sample_weight)
+        value = super().__call__(y_true, y_pred, sample_weight=sample_weight)
+        # Keras's torch `divide_no_nan` (keras 3.10 - 3.15), which the mean
+        # reductions end with, returns float32 for float64 operands; the sum
+        # before it is taken in `dtype`.
+        return keras.tree.map_structure(
+            lambda x: keras.ops.cast(x, self.dtype), value
+        )
 
     def get_config(self):
         """Every constructor argument, as `from_config` takes it."""

@@ -28,6 +28,10 @@ class PolicyRecommendation:
         reason: One or two sentences saying why `policy` was chosen.
         backend: The Keras backend that ran the matmuls.
         device: The devices they ran on, as `"GPU 'NVIDIA H100'"`.
+        notes: By dtype name, how a dtype's matmuls really ran where not
+            natively as that dtype: `"upcast: ..."` (computed in float32,
+            as Keras does for float16 on torch CPUs) or `"emulated: ..."`.
+            Empty where every dtype ran natively.
     """
 
     policy: str
@@ -35,6 +39,7 @@ class PolicyRecommendation:
     reason: str
     backend: str
     device: str
+    notes: dict = dataclasses.field(default_factory=dict)
 
     def speedup(self, dtype):
         """Throughput of `dtype` divided by that of float32."""
@@ -43,9 +48,11 @@ class PolicyRecommendation:
     def __str__(self):
         lines = [f"Matmul throughput ({self.backend} on {self.device}):"]
         for dtype in _DTYPES:
+            note = self.notes.get(dtype)
             lines.append(
                 f"  {dtype:>8}: {self.throughput[dtype]:9.1f} GFLOP/s "
                 f"({self.speedup(dtype):.2f}x float32)"
+                + (f" [{note}]" if note else "")
             )
         lines.append(f"Recommended policy: {self.policy}. {self.reason}")
         return "\n".join(lines)
@@ -60,7 +67,11 @@ def recommend_policy(margin=1.25, budget_seconds=3.0, size=None):
     not). So this times what training spends most of its time on: compiled
     matmuls of a moderate size, on the device and backend of this process,
     after a warm-up, alternating the dtypes and taking the median of
-    repeats, in about `budget_seconds`.
+    repeats, in about `budget_seconds`. The matmul timed is the one Keras
+    layers run: where that is not a native matmul of the dtype (Keras
+    upcasts float16 matmuls to float32 on torch CPUs; a CPU without
+    bfloat16 instructions emulates bfloat16), the figure is what training
+    gets and `notes` says so.
 
     The choice is the fastest *safe* policy:
 
@@ -86,7 +97,7 @@ def recommend_policy(margin=1.25, budget_seconds=3.0, size=None):
 
     Returns:
         A `PolicyRecommendation` with `policy`, `throughput` (GFLOP/s by
-        dtype) and `reason`.
+        dtype), `reason` and `notes` (dtypes that ran upcast or emulated).
 
     Example:
 
@@ -125,6 +136,7 @@ def recommend_policy(margin=1.25, budget_seconds=3.0, size=None):
         reason=reason,
         backend=keras.backend.backend(),
         device=", ".join(f"{d['kind'].upper()} {d['name']!r}" for d in details),
+        notes=backend_throughput.dtype_notes(details),
     )
 
 

@@ -26,7 +26,11 @@ class RecordingLayer(keras.layers.Layer):
             shape=(2,), initializer="ones", autocast=False, name="plain"
         )
         self.counter = self.add_weight(
-            shape=(), dtype="int32", initializer="zeros", name="counter"
+            shape=(),
+            dtype="int32",
+            initializer="zeros",
+            trainable=False,
+            name="counter",
         )
 
     def call(self, inputs):
@@ -263,6 +267,24 @@ class TestAssignment:
         assert_bitwise_equal(layer.total, expected)
         assert layer.total.dtype == "float32"
 
+    @pytest.mark.parametrize("policy", MIXED)
+    def test_assign_inside_call_writes_the_stored_variable(self, policy):
+        # On torch, `assign` writes into `variable.value`, which inside a
+        # mixed layer's call is a temporary cast copy.
+        class Layer(keras.layers.Layer):
+            def build(self, input_shape):
+                self.state = self.add_weight(
+                    shape=(2,), initializer="zeros", trainable=False
+                )
+
+            def call(self, inputs):
+                self.state.assign(keras.ops.full((2,), 1.0 / 3.0, "float32"))
+                return inputs
+
+        layer = Layer(dtype=policy)
+        layer(np.ones((1, 1), "float32"))
+        assert_bitwise_equal(layer.state, np.full((2,), 1.0 / 3.0, "float32"))
+
     def test_assignment_under_enable_autocast_keeps_float32(self):
         layer = _built(keras.layers.Dense(2, dtype="mixed_float16"), (None, 3))
         value = np.full((3, 2), 0.1, "float32")
@@ -305,7 +327,7 @@ class TestEnableAutocast:
             assert variable.dtype == "float16"
 
     def test_integer_variables_are_not_cast(self):
-        variable = keras.Variable(np.arange(3, dtype="int32"))
+        variable = keras.Variable(np.arange(3, dtype="int32"), trainable=False)
         with keras_mp.enable_autocast("float16"):
             assert variable.dtype == "int32"
 

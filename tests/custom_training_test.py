@@ -1,7 +1,8 @@
 """Custom training steps from `examples/` train exactly as `fit` does.
 
 Each example overrides `train_step` (TensorFlow: `optimizer.minimize` with
-a tape; JAX: `scale_loss` under a StatelessScope, then `stateless_apply`).
+a tape; JAX: `scale_loss` under a StatelessScope, then `stateless_apply`;
+PyTorch: `scale_loss(loss).backward()`, then `apply` under `no_grad`).
 Trained on the same data from the same initial weights as a plain
 `keras.Model` under `fit`, it must reach the same weights, loss scale,
 applied steps and skipped steps, including through overflowing steps.
@@ -234,3 +235,11 @@ def test_keras_guide_train_step_under_mixed_float16_applies_full_updates():
         # ...and the guide's step moved it the same way, not 2**15 less.
         assert_close(guide_w, reference_w, dtype="float16", msg=guide_w.path)
     assert int(to_numpy(models["guide"].optimizer.iterations)) == 8
+
+
+@pytest.mark.backends("torch")
+def test_torch_backward_train_step_trains_as_fit_does(monkeypatch):
+    custom, plain = _train_custom_and_plain(
+        "custom_train_step_torch", monkeypatch
+    )
+    _assert_same_training(custom, plain)

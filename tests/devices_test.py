@@ -338,11 +338,35 @@ class TestDeviceDetails:
         message = devices.compatibility_warning("mixed_float16", details)
         assert "AMD MI250" in message
 
+    @pytest.mark.backends("torch")
+    def test_torch_cuda_gpus_are_listed_with_compute_capability(
+        self, monkeypatch
+    ):
+        import torch
+
+        names = ["NVIDIA H100 80GB HBM3", "Tesla P100-PCIE-16GB"]
+        capabilities = [(9, 0), (6, 0)]
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: names[i])
+        monkeypatch.setattr(
+            torch.cuda, "get_device_capability", lambda i: capabilities[i]
+        )
+        details = devices.device_details()
+        assert [(d["kind"], d["name"]) for d in details] == [
+            ("gpu", "NVIDIA H100 80GB HBM3"),
+            ("gpu", "Tesla P100-PCIE-16GB"),
+        ]
+        assert details[0]["compute_capability"] == (9, 0)
+        assert details[0]["native_bfloat16"]
+        message = devices.compatibility_warning("mixed_float16", details)
+        assert "Tesla P100" in message
+
     def test_cpu_is_listed_only_without_accelerators(self, monkeypatch):
         backend = keras.backend.backend()
         lookup = {
             "tensorflow": "_tensorflow_accelerators",
             "jax": "_jax_accelerators",
+            "torch": "_torch_accelerators",
         }.get(backend)
         if lookup is None:
             pytest.skip(f"no accelerator lookup on {backend}")

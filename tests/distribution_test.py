@@ -608,35 +608,50 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _run_workers(code, directories):
+def _tensorflow_worker_env(directories):
+    cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in directories]}
+
+    def worker_env(index):
+        task = {"type": "worker", "index": index}
+        return {
+            "KERAS_BACKEND": "tensorflow",
+            "TF_CPP_MIN_LOG_LEVEL": "3",
+            "TF_CONFIG": json.dumps({"cluster": cluster, "task": task}),
+        }
+
+    return worker_env
+
+
+def _run_workers(code, directories, worker_env=None):
     """Runs one worker process per directory; all are killed on failure.
+
+    Args:
+        worker_env: Callable from a worker's index to the environment
+            variables it gets on top of this process's (proxies removed).
+            Defaults to a MultiWorkerMirroredStrategy cluster on localhost.
 
     Returns:
         Each worker's output (stdout and stderr).
     """
-    cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in directories]}
+    worker_env = worker_env or _tensorflow_worker_env(directories)
     env = {
         key: value
         for key, value in os.environ.items()
         if "proxy" not in key.lower()  # loopback only
     }
-    env.update(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
     log_paths = [os.path.join(d, "log.txt") for d in directories]
     processes = []
     with contextlib.ExitStack() as stack:
         for index, (directory, log_path) in enumerate(
             zip(directories, log_paths)
         ):
-            task = {"type": "worker", "index": index}
             log = stack.enter_context(open(log_path, "w"))
             processes.append(
                 subprocess.Popen(
                     [sys.executable, "-c", code],
                     env={
                         **env,
-                        "TF_CONFIG": json.dumps(
-                            {"cluster": cluster, "task": task}
-                        ),
+                        **worker_env(index),
                         "KERAS_MP_TEST_OUT": directory,
                     },
                     cwd=os.path.dirname(os.path.dirname(__file__)),
@@ -880,3 +895,128 @@ def test_model_parallel_sharded_kernel_trains_like_one_device_and_skips_nan(
     _assert_skipped_on_every_replica(
         results, arrays, "model_parallel", replicated=False
     )
+
+
+# --------------------------------------------------------------------------
+# PyTorch: Keras has no distribution API for torch. A torch.distributed
+# process group (gloo, two processes on 127.0.0.1) and an
+# `aggregate_gradients=` callable that all-reduces the gradients make the
+# optimizer's finite check see the same summed gradients in every process.
+
+_TORCH_WORKER = """
+import keras
+import torch
+import torch.distributed as dist
+from keras import ops
+
+rank = int(os.environ["RANK"])
+world_size = int(os.environ["WORLD_SIZE"])
+dist.init_process_group(
+    "gloo",
+    init_method=os.environ["KERAS_MP_TEST_INIT_METHOD"],
+    rank=rank,
+    world_size=world_size,
+)
+
+
+def all_reduce_mean(grads_and_vars):
+    for grad, _ in grads_and_vars:
+        if grad is not None:
+            dist.all_reduce(grad)
+            grad.div_(world_size)
+    return grads_and_vars
+
+
+model = make_model()
+optimizer = make_optimizer(aggregate_gradients=all_reduce_mean)
+variables = model.trainable_variables
+rows = slice(rank * len(x) // world_size, (rank + 1) * len(x) // world_size)
+
+
+def step(labels):
+    model.zero_grad()
+    y_pred = model(torch.as_tensor(x[rows]))
+    loss = ops.mean(ops.square(y_pred - torch.as_tensor(labels[rows])))
+    optimizer.scale_loss(loss).backward()
+    with torch.no_grad():
+        optimizer.apply([v.value.grad for v in variables], variables)
+
+
+def state():
+    return [
+        ops.convert_to_numpy(v.value)
+        for v in model.weights + optimizer.inner_optimizer.variables
+    ]
+
+
+def counters():
+    return {
+        "loss_scale": float(ops.convert_to_numpy(optimizer.loss_scale())),
+        "skipped_steps": int(ops.convert_to_numpy(optimizer.skipped_steps)),
+        "iterations": int(ops.convert_to_numpy(optimizer.iterations)),
+    }
+
+
+step(y)
+save("before", state())
+results["counters_before"] = counters()
+poisoned = y.copy()
+# Only process 1's rows hold a NaN.
+poisoned[len(y) - 1] = np.nan
+step(poisoned)
+save("skipped", state())
+results["counters_skipped"] = counters()
+step(y)
+save("applied", state())
+results["counters_applied"] = counters()
+dist.destroy_process_group()
+finish()
+"""
+
+
+@pytest.mark.backends("torch")
+@pytest.mark.slow
+def test_torch_gloo_processes_skip_together_and_end_with_identical_weights(
+    tmp_path,
+):
+    directories = [str(tmp_path / f"process{i}") for i in range(2)]
+    for directory in directories:
+        os.mkdir(directory)
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+
+    def worker_env(index):
+        return {
+            "KERAS_BACKEND": "torch",
+            "OMP_NUM_THREADS": "1",
+            "RANK": str(index),
+            "WORLD_SIZE": "2",
+            "KERAS_MP_TEST_INIT_METHOD": init_method,
+        }
+
+    _run_workers(_COMMON + _TORCH_WORKER, directories, worker_env)
+    (results_0, arrays_0), (results_1, arrays_1) = map(_load, directories)
+    for results, arrays in ((results_0, arrays_0), (results_1, arrays_1)):
+        assert results["counters_before"] == {
+            "loss_scale": 1024.0,
+            "skipped_steps": 0,
+            "iterations": 1,
+        }
+        # Process 0's own gradients were finite: it skipped because the
+        # all-reduced ones were not.
+        assert results["counters_skipped"] == {
+            "loss_scale": 512.0,
+            "skipped_steps": 1,
+            "iterations": 1,
+        }
+        assert results["counters_applied"]["iterations"] == 2
+        _assert_all_bitwise_equal(
+            _group(arrays, "skipped"),
+            _group(arrays, "before"),
+            "the skipped step changed a variable",
+        )
+    for key in ("before", "skipped", "applied"):
+        _assert_all_bitwise_equal(
+            _group(arrays_1, key),
+            _group(arrays_0, key),
+            f"processes differ: {key}",
+        )

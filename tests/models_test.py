@@ -71,7 +71,8 @@ def test_compile_respects_auto_scale_loss_false_and_wrapped_optimizers():
     keras_mp.set_global_policy("mixed_float16")
     model = _sequential()
     model.compile(keras.optimizers.SGD(0.1), "mse", auto_scale_loss=False)
-    assert type(model.optimizer) is keras.optimizers.SGD
+    assert isinstance(model.optimizer, keras.optimizers.SGD)
+    assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     mine = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), loss_scale=4)
     model.compile(mine, "mse")
     assert model.optimizer is mine

@@ -13,6 +13,7 @@ import pytest
 
 import keras_mp
 from keras_mp.backend import devices
+from keras_mp.testing import run_python
 
 # Abstract bases: they declare get_config for subclasses and are never
 # serialized themselves (checked below: their get_config raises).
@@ -152,3 +153,37 @@ def test_docstring_example_runs(test, monkeypatch):
         warnings.simplefilter("ignore")
         runner.run(test)
     assert runner.failures == 0, test.name
+
+
+@pytest.mark.slow
+def test_import_under_an_unsupported_backend_names_the_supported_ones():
+    output = run_python(
+        """
+        try:
+            import keras_mp
+        except ImportError as error:
+            print(error)
+        """,
+        env={"KERAS_BACKEND": "numpy"},
+    )
+    assert "Received: KERAS_BACKEND='numpy'" in output
+    assert "tensorflow, jax, torch" in output
+
+
+def test_readme_ci_pyproject_and_docstring_name_the_same_backends():
+    from keras_mp import _supported_backends
+
+    root = pathlib.Path(keras_mp.__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    ci = (root / ".ci" / "run").read_text()
+    pyproject = (root / "pyproject.toml").read_text()
+    command = next(line for line in ci.splitlines() if "for backend in" in line)
+    assert command in readme
+    loop = " ".join(_supported_backends.SUPPORTED_BACKENDS)
+    assert f"for backend in {loop};" in command
+    for extra in _supported_backends.SUPPORTED_BACKENDS:
+        assert re.search(rf"^{extra} = \[", pyproject, re.MULTILINE), extra
+    described = "the TensorFlow, JAX and PyTorch backends"
+    assert described in " ".join(readme.split())
+    assert described in " ".join(pyproject.split())
+    assert described in " ".join(keras_mp.__doc__.split())

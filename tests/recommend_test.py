@@ -123,3 +123,37 @@ def test_a_slow_dtype_is_timed_once_and_the_others_repeatedly(monkeypatch):
 def test_invalid_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         keras_mp.recommend_policy(**kwargs)
+
+
+@pytest.mark.backends("torch")
+def test_float16_on_a_torch_cpu_is_reported_as_upcast_to_float32():
+    notes = throughput.dtype_notes(_CPU)
+    assert notes["float16"].startswith("upcast:")
+    assert "bfloat16" not in notes
+    result = keras_mp.recommend_policy(budget_seconds=0.1, size=32)
+    assert "[upcast: Keras runs float16 matmuls" in str(result)
+    assert result.notes["float16"] == notes["float16"]
+
+
+def test_bfloat16_on_a_cpu_without_its_instructions_is_reported_emulated():
+    cpu = [dict(_CPU[0], native_bfloat16=False)]
+    assert throughput.dtype_notes(cpu)["bfloat16"].startswith("emulated:")
+    assert "bfloat16" not in throughput.dtype_notes(_CPU)
+    assert "bfloat16" not in throughput.dtype_notes(_A100)
+
+
+def test_the_table_shows_each_note_next_to_its_dtype():
+    result = recommend.PolicyRecommendation(
+        policy="float32",
+        throughput=_throughput(10.0, 1.0, 8.0),
+        reason="Because.",
+        backend="torch",
+        device="CPU 'Test CPU'",
+        notes={"float16": "upcast: in float32"},
+    )
+    float16_line = next(
+        line
+        for line in str(result).splitlines()
+        if line.strip().startswith("float16:")
+    )
+    assert float16_line.endswith("(0.80x float32) [upcast: in float32]")

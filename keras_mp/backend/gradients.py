@@ -190,6 +190,30 @@ def cond_update(condition, update, grads_and_vars):
     )
 
 
+def update_in_place_unless_skipped(condition, update, grads_and_vars, targets):
+    """Runs `update(grads_and_vars)` in place; `targets` keep their values
+    bit for bit where the bool tensor `condition` is False.
+
+    PyTorch only. Each target's value is saved, the update runs in place
+    whatever `condition` is, then each target is selected with `torch.where`
+    between its new and its saved value. The decision never leaves the
+    device: no tensor becomes a Python bool, and a GPU step never waits for
+    the host (`ops.cond` on torch, like torch AMP's GradScaler, reads the
+    flag on the host every step). The price is one copy of the targets
+    (weights and optimizer state) and one select per step. `targets` must
+    hold every variable `update` may write.
+    """
+    import torch
+
+    with torch.no_grad():
+        saved = [target.value.clone() for target in targets]
+        update(grads_and_vars)
+        for target, old in zip(targets, saved):
+            # Read again: the update may have replaced a variable's tensor.
+            new = target.value
+            torch.where(condition.to(new.device), new, old, out=new)
+
+
 def gradient_values(grad):
     """The dense values of a gradient (a `tf.IndexedSlices`'s `values`)."""
     return getattr(grad, "values", grad) if _is_indexed_slices(grad) else grad

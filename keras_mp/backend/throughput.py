@@ -70,6 +70,39 @@ def _eager_runner(dtype, size, chain):
     return run
 
 
+def _torch_device_type():
+    from keras import ops
+
+    return ops.convert_to_tensor(0.0).device.type
+
+
+def dtype_notes(details):
+    """How the matmuls of each dtype really run here, where not as named.
+
+    The runners call the same matmul that Keras layers call, so their
+    timings are what training would see; these notes say why a dtype's
+    figure may be a float32 one, or an emulation.
+
+    Args:
+        details: `devices.device_details()` of this process.
+
+    Returns:
+        A dict from dtype name to a short note, for the dtypes that do not
+        run natively as themselves.
+    """
+    notes = {}
+    on_cpu = all(d["kind"] == "cpu" for d in details)
+    if keras.backend.backend() == "torch" and _torch_device_type() == "cpu":
+        # keras.src.backend.torch.numpy.matmul (keras 3.0 - 3.15).
+        notes["float16"] = (
+            "upcast: Keras runs float16 matmuls on torch CPUs in float32, "
+            "with a cast in and out"
+        )
+    if on_cpu and not all(d["native_bfloat16"] for d in details):
+        notes["bfloat16"] = "emulated: this CPU has no bfloat16 instructions"
+    return notes
+
+
 def matmul_runner(dtype, size, chain):
     """A zero-argument callable running `chain` compiled matmuls to the end.
 

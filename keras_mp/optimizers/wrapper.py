@@ -588,9 +588,12 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
 
         On a skipped step every model and optimizer variable keeps its exact
         value. Inside TensorFlow graphs the branches update variables in
-        place; elsewhere (JAX) the applied branch runs in a stateless scope
-        and its results are selected, so this also works in `jax.jit` and in
-        `stateless_apply`.
+        place. On PyTorch the update runs in place and each variable is then
+        selected between its new and its saved value on the device, so the
+        condition never becomes a Python bool (no host sync). Elsewhere (JAX,
+        and any stateless scope) the applied branch runs in a stateless
+        scope and its results are selected, so this also works in `jax.jit`
+        and in `stateless_apply`.
         """
         if keras.backend.backend() == "tensorflow":
             # The update's inputs go in as an argument, not in a closure:
@@ -603,6 +606,14 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             return
         variables = [v for _, v in grads_and_vars]
         targets = _unique(variables + self.variables)
+        if (
+            keras.backend.backend() == "torch"
+            and not _keras_internals.in_stateless_scope()
+        ):
+            backend_gradients.update_in_place_unless_skipped(
+                condition, self._transform_and_apply, grads_and_vars, targets
+            )
+            return
         current = [t.value for t in targets]
 
         def applied():

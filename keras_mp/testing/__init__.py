@@ -1,5 +1,7 @@
 """Helpers shared by the keras_mp test suite (not imported by the library)."""
 
+import collections
+import contextlib
 import os
 import pathlib
 import subprocess
@@ -11,6 +13,7 @@ import numpy as np
 __all__ = [
     "assert_bitwise_equal",
     "assert_close",
+    "count_host_syncs",
     "run_python",
     "run_script",
     "script_backend",
@@ -58,6 +61,58 @@ def assert_bitwise_equal(actual, expected, msg=""):
     assert a.dtype == e.dtype, f"{msg} dtype {a.dtype} != {e.dtype}"
     assert a.shape == e.shape, f"{msg} shape {a.shape} != {e.shape}"
     assert a.tobytes() == e.tobytes(), f"{msg} bits differ:\n{a}\n!=\n{e}"
+
+
+# The torch.Tensor methods through which a value reaches the host: each one
+# waits for the device to finish the work queued before it.
+_TORCH_HOST_CONVERSIONS = (
+    "item",
+    "tolist",
+    "numpy",
+    "cpu",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+)
+
+
+@contextlib.contextmanager
+def count_host_syncs():
+    """Counts tensor-to-host conversions (host syncs) on the torch backend.
+
+    Inside the context, every `torch.Tensor` conversion that would make a
+    GPU step wait for the host (`item()`, `bool(t)`, `tolist()`, `numpy()`,
+    `cpu()`, `int(t)`, `float(t)`, `t.__index__()`) is counted, on any
+    device, so the count taken on a CPU is the one a GPU would see.
+
+    Yields:
+        A `collections.Counter` of the method names called, filled in as
+        the context runs.
+    """
+    import torch
+
+    counts = collections.Counter()
+    originals = {
+        name: getattr(torch.Tensor, name) for name in _TORCH_HOST_CONVERSIONS
+    }
+
+    def counting(name):
+        original = originals[name]
+
+        def method(self, *args, **kwargs):
+            counts[name] += 1
+            return original(self, *args, **kwargs)
+
+        return method
+
+    for name in _TORCH_HOST_CONVERSIONS:
+        setattr(torch.Tensor, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
 
 
 def run_python(code, env=None, timeout=600):

@@ -1,0 +1,131 @@
+"""Tests of keras_mp.backend.gradients: the torch in-place skip path."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_mp
+from keras_mp.testing import count_host_syncs
+from keras_mp.testing import to_numpy
+
+
+def _model_and_optimizer():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(2)]
+    )
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.Adam(0.1, weight_decay=0.01),
+        loss_scale=keras_mp.DynamicLossScale(1024.0, increment_period=100),
+        transform_gradients=["clip_by_global_norm"],
+    )
+    optimizer.build(model.trainable_variables)
+    return model, optimizer
+
+
+def _grads(model, poison=None):
+    grads = [
+        ops.ones_like(v.value) * (i + 1) * 1024.0
+        for i, v in enumerate(model.trainable_variables)
+    ]
+    if poison is not None:
+        grads[-1] = ops.where(
+            ops.arange(grads[-1].shape[-1]) == 0, poison, grads[-1]
+        )
+    return grads
+
+
+@pytest.mark.backends("torch")
+@pytest.mark.parametrize("poison", [None, np.inf, np.nan])
+def test_torch_apply_never_converts_a_tensor_to_a_host_value(poison):
+    import torch
+
+    model, optimizer = _model_and_optimizer()
+    with torch.no_grad():
+        optimizer.apply(_grads(model))
+        with count_host_syncs() as syncs:
+            for _ in range(3):
+                optimizer.apply(_grads(model, poison))
+    assert sum(syncs.values()) == 0, dict(syncs)
+    expected = 1 if poison is None else 0
+    assert int(to_numpy(optimizer.iterations)) == 1 + 3 * expected
+
+
+@pytest.mark.backends("torch")
+def test_torch_minimize_with_a_callable_never_converts_to_a_host_value():
+    import torch
+
+    model, optimizer = _model_and_optimizer()
+    x = torch.ones((3, 4))
+    optimizer.minimize(lambda: ops.sum(model(x)), model.trainable_variables)
+    with count_host_syncs() as syncs:
+        optimizer.minimize(lambda: ops.sum(model(x)), model.trainable_variables)
+    assert sum(syncs.values()) == 0, dict(syncs)
+    assert int(to_numpy(optimizer.iterations)) == 2
+
+
+def test_count_host_syncs_sees_a_python_bool_of_a_tensor():
+    if keras.backend.backend() != "torch":
+        pytest.skip("counts torch.Tensor conversions")
+    import torch
+
+    with count_host_syncs() as syncs:
+        bool(torch.tensor(True))
+        torch.ones(2).sum().item()
+    assert syncs == {"__bool__": 1, "item": 1}
+
+
+@pytest.mark.backends("torch")
+@pytest.mark.parametrize("poison", [np.inf, -np.inf, np.nan])
+def test_torch_skipped_step_keeps_weights_and_adam_state_torch_equal(poison):
+    import torch
+
+    model, optimizer = _model_and_optimizer()
+    with torch.no_grad():
+        for _ in range(2):
+            optimizer.apply(_grads(model))
+    variables = model.weights + optimizer.inner_optimizer.variables
+    variables += list(optimizer.transforms.variables)
+    before = [v.value.clone() for v in variables]
+    with torch.no_grad():
+        optimizer.apply(_grads(model, poison))
+    for variable, value in zip(variables, before):
+        assert torch.equal(variable.value, value), variable.path
+    assert int(to_numpy(optimizer.iterations)) == 2
+    assert int(to_numpy(optimizer.skipped_steps)) == 1
+    assert float(to_numpy(optimizer.loss_scale())) == 512.0
+
+
+@pytest.mark.backends("torch")
+def test_torch_rfc293_loop_matches_backward_and_apply_through_an_overflow():
+    import torch
+
+    x = np.random.default_rng(0).normal(size=(6, 4)).astype("float32")
+    batches = [x, x, x * np.inf, x]
+    results = []
+    for style in ("rfc293", "keras3"):
+        model, optimizer = _model_and_optimizer()
+        variables = model.trainable_variables
+        for batch in batches:
+            batch = torch.as_tensor(batch)
+            if style == "rfc293":
+                loss = ops.mean(ops.square(model(batch)))
+                scaled_grads = torch.autograd.grad(
+                    optimizer.get_scaled_loss(loss),
+                    [v.value for v in variables],
+                )
+                grads = optimizer.get_unscaled_gradients(scaled_grads)
+                with torch.no_grad():
+                    optimizer.apply_gradients(zip(grads, variables))
+            else:
+                model.zero_grad()
+                loss = ops.mean(ops.square(model(batch)))
+                optimizer.scale_loss(loss).backward()
+                with torch.no_grad():
+                    optimizer.apply([v.value.grad for v in variables])
+        assert int(to_numpy(optimizer.skipped_steps)) == 1
+        assert int(to_numpy(optimizer.iterations)) == 3
+        results.append([to_numpy(v) for v in model.weights])
+    for rfc293, keras3 in zip(*results):
+        np.testing.assert_allclose(rfc293, keras3, rtol=1e-6, atol=1e-7)
