@@ -23,6 +23,7 @@ from keras_mp.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras_mp.optimizers.loss_scale_optimizer import (
     _contains_loss_scale_optimizer,
 )
+from keras_mp.optimizers.wrapper import transformed_loss
 from keras_mp.policy import Policy
 
 
@@ -202,15 +203,7 @@ def _compute_gradients(self, loss, var_list, tape=None):
         tape: The `tf.GradientTape` that recorded `loss` (TensorFlow).
     """
     var_list = list(var_list)
-    if callable(loss):
-        loss_fn = loss
-
-        def loss():
-            return self.scale_loss(loss_fn())
-
-    elif tape is not None:
-        with tape:
-            loss = self.scale_loss(loss)
+    loss = transformed_loss(self.scale_loss, loss, tape)
     grads = backend_gradients.compute_gradients(loss, var_list, tape)
     return list(zip(grads, var_list))
 

@@ -499,21 +499,8 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             A list of `(gradient, variable)` pairs, ready for
             `apply_gradients`.
         """
-        var_list = list(var_list)
-        if callable(loss):
-            loss_fn = loss
-
-            def loss():
-                return self.transform_loss(loss_fn())
-
-        elif tape is not None:
-            # Re-entering the tape records the transformation (tf.keras did
-            # the same), so the gradient flows through it.
-            with tape:
-                loss = self.transform_loss(loss)
-        else:
-            loss = self.transform_loss(loss)
-        return self.get_gradients(loss, var_list, tape)
+        loss = transformed_loss(self.transform_loss, loss, tape)
+        return self.get_gradients(loss, list(var_list), tape)
 
     def minimize(self, loss, var_list, tape=None):
         """Runs the whole pipeline: the loss's gradients update `var_list`.
@@ -695,6 +682,22 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
     def set_state(self, state):
         """Restores `get_state()`'s output; all or nothing on a mismatch."""
         self._transforms.set_state(state)
+
+
+def transformed_loss(transform, loss, tape=None):
+    """`transform(loss)`, for a loss given as a tensor or as a callable.
+
+    A callable loss gives a callable (gradients are taken by calling it);
+    a tensor recorded by `tape` is transformed inside the tape, re-entered
+    (tf.keras did the same), so that the gradient flows through the
+    transformation.
+    """
+    if callable(loss):
+        return lambda: transform(loss())
+    if tape is not None:
+        with tape:
+            return transform(loss)
+    return transform(loss)
 
 
 def _hyperparameter_names(optimizer):
