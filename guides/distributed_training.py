@@ -480,7 +480,7 @@ def run_torch_process(rank, steps):
             # The last batch is NaN in process 1 only.
             y_step[0] = np.nan
         loss = train_step(torch.as_tensor(x_step), torch.as_tensor(y_step))
-    report(f"process {rank}", optimizer, to_float(loss))
+    report(f"process {rank}", optimizer, to_float(loss), "last-step")
     checksum = sum(
         float(np.sum(keras.ops.convert_to_numpy(w))) for w in model.weights
     )
