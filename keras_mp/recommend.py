@@ -51,7 +51,9 @@ class PolicyRecommendation:
             `"model"` (training steps of the given model were timed).
         speedups: By the same keys as `throughput`, how many times as fast
             as float32: the median over rounds of the float32 time divided
-            by this one, each pair timed back to back.
+            by this one, each pair timed back to back. Load that hits whole
+            rounds cancels out of these ratios, not out of the medians of
+            `step_seconds`, so the two need not divide exactly.
         step_seconds: With `kind="model"`, the median seconds of one
             training step by policy name. Empty with `kind="matmul"`.
         loss_deltas: With `kind="model"`, by 16-bit policy name, the largest
@@ -94,7 +96,7 @@ class PolicyRecommendation:
                 f"Training steps, batch of {self.batch_size} "
                 f"({self.backend} on {self.device}; {self.rounds} rounds, "
                 f"{settled}):",
-                f"  {'policy':>14}  {'step time':>10}  {'speed-up':>8}  "
+                f"  {'policy':>14}  {'median step':>11}  {'speed-up':>8}  "
                 "loss vs float32",
             ]
             for name in _POLICIES:
@@ -105,7 +107,7 @@ class PolicyRecommendation:
                     extra[1] = f"unsound: {extra[1]}"
                 suffix = "".join(f" [{e}]" for e in extra if e)
                 lines.append(
-                    f"  {name:>14}  {1000 * self.step_seconds[name]:>7.2f} ms"
+                    f"  {name:>14}  {1000 * self.step_seconds[name]:>8.2f} ms"
                     f"  {self.speedup(name):>7.2f}x  {shown:>15}{suffix}"
                 )
         else:
