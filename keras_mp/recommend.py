@@ -406,7 +406,8 @@ def _time_until_stable(runners, units, candidates, margin, budget, timer):
                 name, count, functools.partial(runners[name], count)
             )
             spent += seconds
-            sample[name] = seconds / count
+            # A clock too coarse for a sample must not divide by zero.
+            sample[name] = max(seconds, 1e-9) / count
         rounds.append(sample)
         if len(rounds) < _MIN_ROUNDS:
             continue
