@@ -172,8 +172,12 @@ def precision_rules(rules=None, outputs=_UNSET, base=None, name=None):
     are created in the right dtype); path and `outputs` rules once the model
     is known, when a Sequential or functional model is built, or after the
     first call of a subclassed model (which `fit` makes before it traces
-    its training step). A layer that already has weights keeps their dtype
-    and takes the rule's compute and output dtypes. Subclassed models have no
+    its training step). Each layer is decided once, by the first model
+    built on it: a second model over the same layers (a feature extractor)
+    changes nothing, and a layer `add`ed to an already built Sequential
+    model does not move the output rule to it. A layer that already has
+    weights keeps their dtype and takes the rule's compute and output
+    dtypes. Subclassed models have no
     layer graph, so `outputs` cannot find their output layers: name those
     with a path or class rule. The resulting dtypes are in each layer's
     config, so a saved model reloads with them, rules active or not.
@@ -344,7 +348,7 @@ def _apply_rules(model):
     outputs = _output_layers(model)
     for layer in _walk(model, into_models=False):
         rules = getattr(layer, "_keras_mp_islands", None)
-        if rules is None:
+        if rules is None or getattr(layer, "_keras_mp_rules_decided", False):
             continue
         rule = rules._match(layer, _path(layer), id(layer) in outputs)
         if rule is None or rule.policy is None:
@@ -355,6 +359,9 @@ def _apply_rules(model):
         if policy is not policy_module.layer_policy(layer):
             _set_policy(layer, policy)
         layer._keras_mp_precision_rule = None if rule is None else str(rule)
+        # Once: a second model built on these layers (a feature extractor
+        # whose outputs are inner layers) must not change the first one.
+        layer._keras_mp_rules_decided = True
     model._keras_mp_rules_applied = True
 
 
