@@ -10,6 +10,7 @@ import contextlib
 import functools
 
 # Checked against keras 3.10 - 3.15.
+from keras.src import dtype_policies as dtype_policies_module
 from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.common.variables import AutocastScope
@@ -37,6 +38,7 @@ __all__ = [
     "install_global_policy_lookup",
     "install_global_policy_setter",
     "install_policy_deserialization",
+    "install_policy_serialization",
     "keras_thread_policy",
     "no_automatic_dependency_tracking",
     "own_variables",
@@ -284,3 +286,61 @@ def replace_layer_policy(layer, policy):
     (keras 3.0 - 3.15) holds the layer's own.
     """
     layer._dtype_policy = policy
+
+
+def install_policy_serialization(is_own_policy, note_key, note):
+    """Writes a package's policies so that Keras alone refuses them clearly.
+
+    Without the package imported, Keras's `dtype_policies.deserialize`
+    (keras 3.0 - 3.15) turns a policy config of a class it does not know
+    into the bare class name, and `Operation.from_config` then fails with
+    "'str' object has no attribute 'quantization_mode'". A policy written
+    by `serialize` here has no `class_name` and carries `note_key: note`
+    first, so Keras raises a ValueError that prints it ("Unknown `config`
+    as a `dict`, config={note_key: note, ...}"). `deserialize` here puts
+    the class name back, so with the package imported a layer reloads
+    exactly as from the plain format, which still loads too.
+
+    Layers serialize their policy through
+    `keras.src.dtype_policies.serialize`, and `Operation.from_config` and
+    `dtype_policies.get` deserialize through `.deserialize`; both are
+    replaced there and under their public names.
+
+    Args:
+        is_own_policy: Callable telling whether a policy is the package's.
+        note_key: The key of the note, such as the package name.
+        note: What Keras's error shows, such as "import the package".
+    """
+    original_serialize = dtype_policies_module.serialize
+    original_deserialize = dtype_policies_module.deserialize
+    if getattr(original_serialize, "_keras_mp_hook", False):
+        return
+
+    @functools.wraps(original_serialize)
+    def serialize(dtype_policy):
+        config = original_serialize(dtype_policy)
+        if not (is_own_policy(dtype_policy) and isinstance(config, dict)):
+            return config
+        fields = {k: v for k, v in config.items() if k != "class_name"}
+        return {note_key: note, **fields}
+
+    @functools.wraps(original_deserialize)
+    def deserialize(config, custom_objects=None):
+        if (
+            isinstance(config, dict)
+            and note_key in config
+            and "class_name" not in config
+            and isinstance(config.get("registered_name"), str)
+        ):
+            config = {k: v for k, v in config.items() if k != note_key}
+            config["class_name"] = config["registered_name"].split(">")[-1]
+        return original_deserialize(config, custom_objects=custom_objects)
+
+    serialize._keras_mp_hook = True
+    deserialize._keras_mp_hook = True
+    dtype_policies_module.serialize = serialize
+    dtype_policies_module.deserialize = deserialize
+    import keras
+
+    keras.dtype_policies.serialize = serialize
+    keras.dtype_policies.deserialize = deserialize

@@ -298,6 +298,12 @@ def _cast_outputs(operation, outputs):
 
 
 _keras_internals.install_call_hook("output_dtype", _cast_outputs)
+_keras_internals.install_policy_serialization(
+    lambda policy: isinstance(policy, Policy),
+    note_key="keras_mp",
+    note="This model was saved with keras_mp: `import keras_mp` before "
+    "loading it.",
+)
 _keras_internals.install_global_policy_lookup(_process_policy)
 _keras_internals.install_policy_deserialization(
     lambda policy: isinstance(policy, Policy)

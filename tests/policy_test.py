@@ -791,3 +791,71 @@ class TestOutputDtype:
         x = np.ones((2, 3), "float32")
         assert _dtype(restored(x)) == "float32"
         np.testing.assert_array_equal(to_numpy(restored(x)), to_numpy(model(x)))
+
+
+class TestSavedPolicyFormat:
+    """A layer's policy is saved without `class_name`, with a note for Keras.
+
+    Keras alone then refuses it with an error that shows the note (see
+    `tests/interop_test.py`); with keras_mp imported it loads as before.
+    """
+
+    def _policy(self):
+        return keras_mp.Policy("p=f32,c=f16,o=f32", loss_scale=16)
+
+    def test_layer_config_carries_the_note_and_no_class_name(self):
+        config = keras.layers.Dense(2, dtype=self._policy()).get_config()
+        dtype = config["dtype"]
+        assert list(dtype)[0] == "keras_mp"
+        assert "import keras_mp" in dtype["keras_mp"]
+        assert "class_name" not in dtype
+        assert dtype["registered_name"] == "keras_mp>Policy"
+        plain = keras.saving.serialize_keras_object(self._policy())
+        assert {k: v for k, v in dtype.items() if k != "keras_mp"} == {
+            k: v for k, v in plain.items() if k != "class_name"
+        }
+
+    def test_keras_policies_are_saved_as_keras_writes_them(self):
+        config = keras.layers.Dense(2, dtype="mixed_bfloat16").get_config()
+        assert config["dtype"] == keras.saving.serialize_keras_object(
+            keras.DTypePolicy("mixed_bfloat16")
+        )
+
+    def test_public_serialize_and_deserialize_round_trip(self):
+        serialized = keras.dtype_policies.serialize(self._policy())
+        assert "class_name" not in serialized
+        restored = keras.dtype_policies.deserialize(serialized)
+        assert restored == self._policy()
+        assert keras.dtype_policies.get(serialized) == self._policy()
+
+    def test_layer_saved_in_the_previous_format_loads_identically(self):
+        layer = keras.layers.Dense(2, dtype=self._policy())
+        layer.build((None, 3))
+        new_format = layer.get_config()
+        old_format = dict(
+            new_format,
+            dtype=keras.saving.serialize_keras_object(self._policy()),
+        )
+        assert "class_name" in old_format["dtype"]
+        restored = [
+            keras.layers.deserialize(
+                {
+                    "class_name": "Dense",
+                    "config": config,
+                    "module": "keras.layers",
+                }
+            )
+            for config in (old_format, new_format)
+        ]
+        for other in restored:
+            assert other.dtype_policy == layer.dtype_policy
+            assert other.get_config() == new_format
+
+    def test_custom_layer_building_itself_from_the_config_gets_the_policy(self):
+        class Custom(keras.layers.Dense):
+            @classmethod
+            def from_config(cls, config):
+                return cls(**config)
+
+        config = Custom(2, dtype=self._policy()).get_config()
+        assert Custom.from_config(config).dtype_policy == self._policy()

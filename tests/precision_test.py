@@ -47,7 +47,7 @@ def _assert_rows_match_the_layers(model):
         for layer in model._flatten_layers(include_self=False)
         if not isinstance(layer, keras.layers.InputLayer)
     ]
-    probe = keras.Model(model.input, [layer.output for layer in layers])
+    probe = keras.Model(model.inputs[0], [layer.output for layer in layers])
     x = np.random.default_rng(0).normal(size=(2, *model.inputs[0].shape[1:]))
     outputs = probe(x.astype("float32"))
     for layer, output in zip(layers, outputs):
@@ -114,7 +114,7 @@ class TestDefaultIslands:
     def test_a_second_model_on_the_same_layers_changes_nothing(self):
         keras_mp.set_global_policy("mixed_bfloat16", float32_islands="default")
         model = _functional()
-        features = keras.Model(model.input, model.get_layer("mid").output)
+        features = keras.Model(model.inputs[0], model.get_layer("mid").output)
         assert model.get_layer("mid").compute_dtype == "bfloat16"
         assert _dtype(features(np.ones((1, 6)))) == "bfloat16"
 
