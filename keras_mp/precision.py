@@ -462,7 +462,7 @@ def _reason(layer, policy, rules, is_output):
                 return str(rule)
     if hasattr(layer, "_keras_mp_islands"):
         return "global policy"
-    return "the layer's dtype"
+    return "dtype argument"
 
 
 def _table(rows):

@@ -191,7 +191,7 @@ class TestRules:
         assert model.get_layer("logits").compute_dtype == "bfloat16"
         softmax = keras.layers.Softmax(dtype="mixed_bfloat16")
         assert softmax.compute_dtype == "bfloat16"
-        assert _rows(model)["logits"]["rule"] == "the layer's dtype"
+        assert _rows(model)["logits"]["rule"] == "dtype argument"
 
     def test_rules_can_give_spec_policies_with_an_output_dtype(self):
         rules = keras_mp.precision_rules({"mid": "p=f32,c=bf16,o=f32"})
@@ -276,7 +276,7 @@ class TestSaveLoad:
         assert rows["logits"]["rule"] == (
             "DEFAULT_FLOAT32_ISLANDS: model outputs -> float32"
         )
-        assert rows["hidden"]["rule"] == "the layer's dtype"
+        assert rows["hidden"]["rule"] == "dtype argument"
         x = np.ones((2, 6), "float32")
         np.testing.assert_array_equal(to_numpy(restored(x)), to_numpy(model(x)))
 
