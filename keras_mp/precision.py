@@ -297,7 +297,11 @@ def _output_layers(model):
 def _fitted(policy, layer):
     """`policy`, keeping the variable dtype of a layer that has weights."""
     current = policy_module.layer_policy(layer)
-    if not layer.weights or policy.variable_dtype == current.variable_dtype:
+    if (
+        not layer.weights
+        or isinstance(policy, keras.dtype_policies.DTypePolicyMap)
+        or policy.variable_dtype == current.variable_dtype
+    ):
         return policy
     return Policy(
         f"params={current.variable_dtype},compute={policy.compute_dtype},"
@@ -355,9 +359,8 @@ def _apply_rules(model):
             policy = layer._keras_mp_global_policy
         else:
             policy = rule.policy
-        policy = _fitted(policy, layer)
-        if policy is not policy_module.layer_policy(layer):
-            _set_policy(layer, policy)
+        if policy is not layer.dtype_policy:
+            _set_policy(layer, _fitted(policy, layer))
         layer._keras_mp_precision_rule = None if rule is None else str(rule)
         # Once: a second model built on these layers (a feature extractor
         # whose outputs are inner layers) must not change the first one.

@@ -228,6 +228,19 @@ class TestRules:
         assert _dtype(logits.kernel.value) == "bfloat16"
         assert _dtype(model(np.ones((1, 6)))) == "float32"
 
+    def test_islands_over_a_global_policy_map_leave_the_map_alone(self):
+        policy_map = keras.dtype_policies.DTypePolicyMap(
+            "mixed_bfloat16", {"hidden": keras.DTypePolicy("float32")}
+        )
+        keras_mp.set_global_policy(policy_map, float32_islands="default")
+        model = _functional()
+        assert model.get_layer("hidden").compute_dtype == "float32"
+        assert model.get_layer("mid").compute_dtype == "bfloat16"
+        assert model.get_layer("attention").compute_dtype == "float32"
+        assert model.get_layer("logits").compute_dtype == "float32"
+        assert list(policy_map) == ["hidden"]
+        _assert_rows_match_the_layers(model)
+
     def test_policy_map_compiles_the_rules_for_a_model(self):
         keras_mp.set_global_policy("mixed_bfloat16")
         model = _functional()
