@@ -20,6 +20,10 @@ from keras_mp.loss_scale import LossScale
 from keras_mp.optimizers import LossScaleOptimizer
 from keras_mp.optimizers import OptimizerWrapper
 from keras_mp.policy import Policy
+from keras_mp.precision import DEFAULT_FLOAT32_ISLANDS
+from keras_mp.precision import PrecisionRules
+from keras_mp.precision import explain_precision
+from keras_mp.precision import precision_rules
 from keras_mp.policy import global_policy
 from keras_mp.policy import policy_scope
 from keras_mp.policy import set_global_policy
@@ -30,6 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutoCastVariable",
+    "DEFAULT_FLOAT32_ISLANDS",
     "DynamicLossScale",
     "FixedLossScale",
     "LossScale",
@@ -37,13 +42,16 @@ __all__ = [
     "OptimizerWrapper",
     "Policy",
     "PolicyRecommendation",
+    "PrecisionRules",
     "callbacks",
     "enable_autocast",
+    "explain_precision",
     "global_policy",
     "losses",
     "models",
     "optimizers",
     "policy_scope",
+    "precision_rules",
     "recommend_policy",
     "set_global_policy",
     "transforms",

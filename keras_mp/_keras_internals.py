@@ -10,12 +10,14 @@ import contextlib
 import functools
 
 # Checked against keras 3.10 - 3.15.
+from keras.src import dtype_policies as dtype_policies_module
 from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.common.variables import AutocastScope
 from keras.src.backend.common.variables import get_autocast_scope
 from keras.src.dtype_policies import dtype_policy as dtype_policy_module
 from keras.src.dtype_policies.dtype_policy import QUANTIZATION_MODES
+from keras.src.models.functional import Functional
 from keras.src.ops.operation import Operation
 from keras.src.saving.keras_saveable import KerasSaveable
 from keras.src.trainers.trainer import Trainer
@@ -23,6 +25,7 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 __all__ = [
     "AutocastScope",
+    "Functional",
     "KerasSaveable",
     "QUANTIZATION_MODES",
     "Trainer",
@@ -30,11 +33,17 @@ __all__ = [
     "called_by_keras_saving",
     "get_autocast_scope",
     "in_stateless_scope",
+    "install_call_hook",
+    "install_functional_init_hook",
     "install_global_policy_lookup",
     "install_global_policy_setter",
     "install_policy_deserialization",
+    "install_policy_serialization",
     "keras_thread_policy",
     "no_automatic_dependency_tracking",
+    "own_variables",
+    "producing_operation",
+    "replace_layer_policy",
     "set_keras_thread_policy",
     "stored_dtype",
     "variable_autocasts",
@@ -202,3 +211,136 @@ def install_policy_deserialization(keeps_policy):
 
     from_config._keras_mp_hook = True
     Operation.from_config = classmethod(from_config)
+
+
+def install_call_hook(name, callback):
+    """Lets keras_mp see (and replace) what each layer call returns.
+
+    `Layer.__call__` (keras 3.0 - 3.15) runs the layer's `call` (or, on
+    symbolic inputs, `compute_output_spec`) through `Operation.__call__`, on
+    every backend (the torch backend's `forward` calls it too), then sets the
+    outputs' masks and records the functional-graph node. Wrapped here, an
+    output cast happens before both, so masks and symbolic dtypes follow it.
+
+    Args:
+        name: Names the hook, so that installing it twice wraps once.
+        callback: Callable `(operation, outputs) -> outputs`, called for
+            every operation (layers and `keras.ops` operations alike).
+    """
+    original = Operation.__call__
+    hooks = getattr(original, "_keras_mp_hooks", frozenset())
+    if name in hooks:
+        return
+
+    @functools.wraps(original)
+    def __call__(self, *args, **kwargs):
+        return callback(self, original(self, *args, **kwargs))
+
+    __call__._keras_mp_hooks = hooks | {name}
+    Operation.__call__ = __call__
+
+
+def install_functional_init_hook(callback):
+    """Calls `callback(model)` at the end of every functional model's init.
+
+    `keras.Model(inputs, outputs)` and a Sequential model's rebuild both
+    construct `keras.src.models.functional.Functional` (keras 3.0 - 3.15);
+    when its `__init__` returns, the layer graph and its outputs are known.
+    """
+    original = Functional.__init__
+    if getattr(original, "_keras_mp_hook", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        callback(self)
+
+    __init__._keras_mp_hook = True
+    Functional.__init__ = __init__
+
+
+def producing_operation(tensor):
+    """The operation whose call produced a symbolic tensor, or None.
+
+    Recorded as `KerasTensor._keras_history` (keras 3.0 - 3.15).
+    """
+    history = getattr(tensor, "_keras_history", None)
+    return None if history is None else history.operation
+
+
+def own_variables(layer):
+    """The variables a layer created itself, not those of its sublayers.
+
+    `Layer._trainable_variables` and `_non_trainable_variables` (keras 3.0 -
+    3.15) hold them.
+    """
+    return [*layer._trainable_variables, *layer._non_trainable_variables]
+
+
+def replace_layer_policy(layer, policy):
+    """Gives `layer` its own `policy`, even where it had a `DTypePolicyMap`.
+
+    Keras's `dtype_policy` setter writes a mapped layer's policy into the map,
+    which the global map shares with every other layer; `_dtype_policy`
+    (keras 3.0 - 3.15) holds the layer's own.
+    """
+    layer._dtype_policy = policy
+
+
+def install_policy_serialization(is_own_policy, note_key, note):
+    """Writes a package's policies so that Keras alone refuses them clearly.
+
+    Without the package imported, Keras's `dtype_policies.deserialize`
+    (keras 3.0 - 3.15) turns a policy config of a class it does not know
+    into the bare class name, and `Operation.from_config` then fails with
+    "'str' object has no attribute 'quantization_mode'". A policy written
+    by `serialize` here has no `class_name` and carries `note_key: note`
+    first, so Keras raises a ValueError that prints it ("Unknown `config`
+    as a `dict`, config={note_key: note, ...}"). `deserialize` here puts
+    the class name back, so with the package imported a layer reloads
+    exactly as from the plain format, which still loads too.
+
+    Layers serialize their policy through
+    `keras.src.dtype_policies.serialize`, and `Operation.from_config` and
+    `dtype_policies.get` deserialize through `.deserialize`; both are
+    replaced there and under their public names.
+
+    Args:
+        is_own_policy: Callable telling whether a policy is the package's.
+        note_key: The key of the note, such as the package name.
+        note: What Keras's error shows, such as "import the package".
+    """
+    original_serialize = dtype_policies_module.serialize
+    original_deserialize = dtype_policies_module.deserialize
+    if getattr(original_serialize, "_keras_mp_hook", False):
+        return
+
+    @functools.wraps(original_serialize)
+    def serialize(dtype_policy):
+        config = original_serialize(dtype_policy)
+        if not (is_own_policy(dtype_policy) and isinstance(config, dict)):
+            return config
+        fields = {k: v for k, v in config.items() if k != "class_name"}
+        return {note_key: note, **fields}
+
+    @functools.wraps(original_deserialize)
+    def deserialize(config, custom_objects=None):
+        if (
+            isinstance(config, dict)
+            and note_key in config
+            and "class_name" not in config
+            and isinstance(config.get("registered_name"), str)
+        ):
+            config = {k: v for k, v in config.items() if k != note_key}
+            config["class_name"] = config["registered_name"].split(">")[-1]
+        return original_deserialize(config, custom_objects=custom_objects)
+
+    serialize._keras_mp_hook = True
+    deserialize._keras_mp_hook = True
+    dtype_policies_module.serialize = serialize
+    dtype_policies_module.deserialize = deserialize
+    import keras
+
+    keras.dtype_policies.serialize = serialize
+    keras.dtype_policies.deserialize = deserialize

@@ -91,6 +91,19 @@ def _mark(variable):
         variable.assign_sub = _at_stored_precision(variable.assign_sub)
 
 
+def set_marked(variable, casts):
+    """Marks or unmarks a variable whose layer's policy changed after build.
+
+    A precision rule applied once the model is known can make a built layer
+    cast (or stop casting); its variables then are (or are no longer)
+    `AutoCastVariable`s, as if the layer had been created with that policy.
+    """
+    if casts and not getattr(variable, "_keras_mp_autocast", False):
+        _mark(variable)
+    elif not casts:
+        variable._keras_mp_autocast = False
+
+
 def _at_stored_precision(update):
     # Keras's assign_add reads the variable through the autocast scope, so
     # inside a mixed layer's call the sum would be rounded to the compute

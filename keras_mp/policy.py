@@ -11,9 +11,91 @@ from keras_mp import loss_scale as loss_scale_module
 
 _MIXED_NAMES = ("mixed_float16", "mixed_bfloat16")
 _VALID_NAMES_TEXT = (
-    "'mixed_float16', 'mixed_bfloat16', or the name of a float dtype "
-    "('float16', 'bfloat16', 'float32', 'float64')"
+    "'mixed_float16', 'mixed_bfloat16', the name of a float dtype "
+    "('float16', 'bfloat16', 'float32', 'float64'), or a spec such as "
+    "'params=float32,compute=bfloat16,output=float32'"
 )
+# The spellings jmp (google-deepmind/jmp) accepts, so its policy strings work
+# unchanged. "half" is resolved against the hardware, as jmp does.
+_SPEC_DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "f16": "float16",
+    "float16": "float16",
+    "full": "float32",
+    "f32": "float32",
+    "float32": "float32",
+    "f64": "float64",
+    "float64": "float64",
+    "half": None,
+}
+_SPEC_KEYS = {
+    "p": "params",
+    "params": "params",
+    "c": "compute",
+    "compute": "compute",
+    "o": "output",
+    "output": "output",
+}
+_SPEC_HELP = (
+    "A spec is 'params=D,compute=D,output=D' (keys may be shortened to "
+    "p/c/o and left out: params defaults to float32, compute follows params, "
+    "output follows compute), where D is one of "
+    f"{sorted(_SPEC_DTYPES)}"
+)
+
+
+def _half_dtype():
+    # jmp's rule: bfloat16 on TPU, float16 elsewhere. It asks the runtime
+    # which devices exist, so only "half" ever initializes it.
+    from keras_mp.backend import devices
+
+    kinds = {detail["kind"] for detail in devices.device_details()}
+    return "bfloat16" if "tpu" in kinds else "float16"
+
+
+def _spec_dtype(value, name):
+    if value not in _SPEC_DTYPES:
+        raise ValueError(
+            f"Unknown dtype {value!r} in the policy spec. {_SPEC_HELP}. "
+            f"Received: name={name!r}"
+        )
+    return _SPEC_DTYPES[value] or _half_dtype()
+
+
+def _parse_spec(name):
+    """`(variable, compute, output)` dtypes of a jmp-style spec or short name."""
+    if "=" not in name:
+        dtype = _spec_dtype(name, name)
+        return dtype, dtype, dtype
+    parts = {}
+    for part in name.split(","):
+        key, separator, value = part.strip().partition("=")
+        key = key.strip()
+        if not separator or key not in _SPEC_KEYS:
+            raise ValueError(
+                f"Unknown key {key!r} in the policy spec: expected "
+                f"{sorted(_SPEC_KEYS)}. {_SPEC_HELP}. Received: name={name!r}"
+            )
+        if _SPEC_KEYS[key] in parts:
+            raise ValueError(
+                f"The policy spec gives {_SPEC_KEYS[key]!r} twice. "
+                f"{_SPEC_HELP}. Received: name={name!r}"
+            )
+        parts[_SPEC_KEYS[key]] = _spec_dtype(value.strip(), name)
+    variable = parts.get("params", "float32")
+    compute = parts.get("compute", variable)
+    return variable, compute, parts.get("output", compute)
+
+
+def _canonical_name(variable, compute, output):
+    """The shortest name that parses back to these dtypes."""
+    if output == compute:
+        if variable == compute:
+            return compute
+        if variable == "float32" and f"mixed_{compute}" in _MIXED_NAMES:
+            return f"mixed_{compute}"
+    return f"params={variable},compute={compute},output={output}"
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -26,12 +108,27 @@ class Policy(keras.DTypePolicy):
     so small gradients flush to zero unless the loss is scaled up first.
     bfloat16 has float32's exponent range and needs no scaling.
 
+    A third dtype, `output_dtype`, is what the layer returns: a layer whose
+    policy says `output=float32` computes in its compute dtype and casts its
+    float outputs to float32, so logits or probabilities leave a 16-bit layer
+    at full precision. jmp-style specs set it; names keep it equal to the
+    compute dtype.
+
     Args:
         name: `"mixed_float16"` (float16 compute, float32 variables),
-            `"mixed_bfloat16"` (bfloat16 compute, float32 variables), or the
-            name of a dtype used for both.
-        loss_scale: `"auto"` gives a `DynamicLossScale()` for
-            `"mixed_float16"` and None otherwise. Also takes None,
+            `"mixed_bfloat16"` (bfloat16 compute, float32 variables), the
+            name of a dtype used for all three, or a jmp-style spec
+            `"params=float32,compute=bfloat16,output=float32"`. A spec's keys
+            may be shortened to `p`/`c`/`o` and left out (params defaults to
+            float32, compute follows params, output follows compute); its
+            dtypes may be written `f32`/`full`, `bf16`, `f16`, `f64`, or
+            `half` (bfloat16 on TPU, float16 elsewhere, as in jmp: it looks
+            at the devices, so it initializes the backend runtime). The
+            policy's `name` is the shortest equivalent: `"p=f32,c=bf16"` is
+            named `"mixed_bfloat16"`.
+        loss_scale: `"auto"` gives a `DynamicLossScale()` when float16
+            compute meets float32 variables (`"mixed_float16"`, or a spec
+            saying so) and None otherwise. Also takes None,
             `"dynamic"`, a number (a `FixedLossScale`), a `LossScale` or a
             loss scale config dict. Defaults to `"auto"`.
 
@@ -44,6 +141,11 @@ class Policy(keras.DTypePolicy):
     'DynamicLossScale'
     >>> keras_mp.Policy("mixed_bfloat16").loss_scale is None
     True
+    >>> policy = keras_mp.Policy("p=f32,c=bf16,o=f32")
+    >>> policy.name
+    'params=float32,compute=bfloat16,output=float32'
+    >>> policy.variable_dtype, policy.compute_dtype, policy.output_dtype
+    ('float32', 'bfloat16', 'float32')
     """
 
     def __init__(self, name, loss_scale="auto"):
@@ -58,16 +160,40 @@ class Policy(keras.DTypePolicy):
                 f"name={name!r}, a quantized policy; use "
                 "`keras.dtype_policies.get(name)` for quantization."
             )
-        try:
-            super().__init__(name)
-        except ValueError:
-            raise ValueError(
-                f"Unknown policy name. Expected {_VALID_NAMES_TEXT}. "
-                f"Received: name={name!r}"
-            ) from None
+        if "=" in name or name in _SPEC_DTYPES:
+            dtypes = _parse_spec(name)
+        else:
+            try:
+                keras_policy = keras.DTypePolicy(name)
+            except ValueError:
+                raise ValueError(
+                    f"Unknown policy name. Expected {_VALID_NAMES_TEXT}. "
+                    f"Received: name={name!r}"
+                ) from None
+            compute = keras_policy.compute_dtype
+            dtypes = keras_policy.variable_dtype, compute, compute
+        self._variable, self._compute, self._output = dtypes
+        super().__init__(_canonical_name(*dtypes))
         if loss_scale == "auto":
-            loss_scale = "dynamic" if name == "mixed_float16" else None
+            loss_scale = (
+                "dynamic"
+                if (self._compute, self._variable) == ("float16", "float32")
+                else None
+            )
         self._loss_scale = loss_scale_module.get(loss_scale)
+
+    def _parse_name(self, name):
+        # Called by `keras.DTypePolicy.__init__` with the canonical name,
+        # which a spec can only be parsed into by this class.
+        return self._compute, self._variable
+
+    @property
+    def output_dtype(self):
+        """The dtype a layer with this policy casts its float outputs to.
+
+        Equal to `compute_dtype` unless a spec says otherwise.
+        """
+        return self._output
 
     @property
     def loss_scale(self):
@@ -134,6 +260,50 @@ def _process_policy():
     return _global_policy if scoped is None else scoped
 
 
+def layer_policy(layer):
+    """The policy that applies to `layer`: its entry if it has a policy map."""
+    policy = layer.dtype_policy
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+        return policy[layer.path] if layer.path else policy.default_policy
+    return policy
+
+
+def _cast_outputs(operation, outputs):
+    if not isinstance(operation, keras.layers.Layer):
+        return outputs
+    policy = layer_policy(operation)
+    if not isinstance(policy, Policy) or policy.output_dtype == (
+        policy.compute_dtype
+    ):
+        return outputs
+    dtype = policy.output_dtype
+
+    def cast(x):
+        symbolic = isinstance(x, keras.KerasTensor)
+        if not (symbolic or keras.ops.is_tensor(x)):
+            return x
+        if not keras.backend.is_float_dtype(x.dtype):
+            return x
+        if keras.backend.standardize_dtype(x.dtype) == dtype:
+            return x
+        if symbolic:
+            # A new symbolic tensor, not `ops.cast`: that would record a
+            # Cast node of its own in the functional graph.
+            return keras.KerasTensor(
+                x.shape, dtype=dtype, sparse=x.sparse, ragged=x.ragged
+            )
+        return keras.ops.cast(x, dtype)
+
+    return keras.tree.map_structure(cast, outputs)
+
+
+_keras_internals.install_call_hook("output_dtype", _cast_outputs)
+_keras_internals.install_policy_serialization(
+    lambda policy: isinstance(policy, Policy),
+    note_key="keras_mp",
+    note="This model was saved with keras_mp: `import keras_mp` before "
+    "loading it.",
+)
 _keras_internals.install_global_policy_lookup(_process_policy)
 _keras_internals.install_policy_deserialization(
     lambda policy: isinstance(policy, Policy)
@@ -209,7 +379,19 @@ def _checked(policy):
     return policy
 
 
-def set_global_policy(policy):
+# The float32 islands (a `keras_mp.PrecisionRules`) that layers created
+# without a `dtype` follow, or None. Set with the global policy.
+_global_float32_islands = None
+_islands_resolver = None
+
+
+def _install_islands_resolver(resolver):
+    # `keras_mp.precision` (above this module) turns "default" into its rules.
+    global _islands_resolver
+    _islands_resolver = resolver
+
+
+def set_global_policy(policy, float32_islands=None):
     """Sets the global policy, for keras_mp and for Keras's built-in layers.
 
     Call it before building models: layers take the global policy when they
@@ -229,17 +411,27 @@ def set_global_policy(policy):
             `keras.dtype_policies.DTypePolicyMap` (each layer then takes the
             entry of its path), or None to return to following
             `keras.config.floatx()`.
+        float32_islands: Precision rules that layers created afterwards
+            without a `dtype` follow: `"default"`
+            (`keras_mp.DEFAULT_FLOAT32_ISLANDS`: softmax and the model's
+            output layers in float32), a `keras_mp.precision_rules(...)`, or
+            None. Each call replaces the previous rules. Defaults to None.
 
     Example:
 
     >>> keras_mp.set_global_policy("mixed_bfloat16")
     >>> keras.layers.Dense(2).compute_dtype
     'bfloat16'
+    >>> keras_mp.set_global_policy("mixed_bfloat16", float32_islands="default")
+    >>> keras.layers.Softmax().compute_dtype
+    'float32'
     >>> keras_mp.set_global_policy(None)
     """
     if policy is not None:
         policy = _checked(policy)
-    _set_global_policy_unchecked(policy)
+    if float32_islands is not None:
+        float32_islands = _islands_resolver(float32_islands)
+    _set_global_policy_unchecked(policy, float32_islands)
 
 
 def _set_from_keras(policy, keras_setter):
@@ -256,10 +448,11 @@ def _set_from_keras(policy, keras_setter):
 _keras_internals.install_global_policy_setter(_set_from_keras)
 
 
-def _set_global_policy_unchecked(policy):
-    global _global_policy
+def _set_global_policy_unchecked(policy, float32_islands=None):
+    global _global_policy, _global_float32_islands
     with _global_policy_lock:
         _global_policy = policy
+        _global_float32_islands = float32_islands
         # Cleared rather than set: a policy cached in this thread's Keras state
         # would outlive a later set_global_policy made from another thread.
         _keras_internals.set_keras_thread_policy(None)

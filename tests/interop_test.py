@@ -234,3 +234,34 @@ def test_transform_with_a_misspelt_argument_lists_the_valid_ones():
     with pytest.raises(ValueError, match="clip_value") as error:
         _keras_mp().transforms.get(("clip_by_value", {"clip_valu": 1}))
     assert "clip_valu'" in str(error.value)
+
+
+def test_loading_without_keras_mp_says_to_import_it(tmp_path):
+    import keras
+
+    keras_mp = _keras_mp()
+    policy = keras_mp.Policy("p=f32,c=bf16,o=f32", loss_scale=8)
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(2, dtype=policy)]
+    )
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    out = run_python(
+        f"""
+        import sys
+        import keras
+        try:
+            keras.models.load_model({path!r})
+        except ValueError as error:
+            print("ValueError:", error)
+        assert "keras_mp" not in sys.modules, "the child imported keras_mp"
+        """,
+        env={"KERAS_BACKEND": keras.backend.backend()},
+        timeout=CHILD_TIMEOUT,
+    )
+    assert out.startswith("ValueError:"), out
+    assert (
+        "This model was saved with keras_mp: `import keras_mp` before "
+        "loading it." in out
+    )
+    assert "quantization_mode" not in out

@@ -569,3 +569,293 @@ class TestPolicyScope:
         with pytest.raises(ValueError), keras_mp.policy_scope("int32"):
             pass
         assert keras_mp.global_policy().name == "float32"
+
+
+class _RecordInputDtype(keras.layers.Layer):
+    """Records the dtype it receives (when traced, inside compiled steps)."""
+
+    def __init__(self, **kwargs):
+        # autocast=False: Keras would otherwise cast the input to float32.
+        super().__init__(autocast=False, **kwargs)
+        self.seen = []
+
+    def call(self, inputs):
+        self.seen.append(keras.backend.standardize_dtype(inputs.dtype))
+        return keras.ops.cast(inputs, "float32")
+
+
+def _dtype(tensor):
+    return keras.backend.standardize_dtype(tensor.dtype)
+
+
+class TestOutputDtype:
+    @pytest.mark.parametrize(
+        "spec, name, dtypes",
+        [
+            (
+                "params=float32,compute=bfloat16,output=float32",
+                "params=float32,compute=bfloat16,output=float32",
+                ("float32", "bfloat16", "float32"),
+            ),
+            (
+                "p=f32,c=f16,o=full",
+                "params=float32,compute=float16,output=float32",
+                ("float32", "float16", "float32"),
+            ),
+            (
+                " c = bf16 ",
+                "mixed_bfloat16",
+                ("float32", "bfloat16", "bfloat16"),
+            ),
+            ("p=f16,c=f16", "float16", ("float16", "float16", "float16")),
+            ("p=bf16", "bfloat16", ("bfloat16", "bfloat16", "bfloat16")),
+            (
+                "compute=float32,params=bfloat16",
+                "params=bfloat16,compute=float32,output=float32",
+                ("bfloat16", "float32", "float32"),
+            ),
+            (
+                "o=f64",
+                "params=float32,compute=float32,output=float64",
+                ("float32", "float32", "float64"),
+            ),
+            ("f16", "float16", ("float16", "float16", "float16")),
+            ("full", "float32", ("float32", "float32", "float32")),
+        ],
+    )
+    def test_jmp_specs_give_params_compute_output_and_shortest_name(
+        self, spec, name, dtypes
+    ):
+        policy = keras_mp.Policy(spec)
+        assert policy.name == name
+        assert (
+            policy.variable_dtype,
+            policy.compute_dtype,
+            policy.output_dtype,
+        ) == dtypes
+        assert keras_mp.Policy(policy.name) == policy
+
+    def test_half_is_float16_off_tpu_as_in_jmp(self):
+        kinds = {d["kind"] for d in devices.device_details()}
+        expected = "bfloat16" if "tpu" in kinds else "float16"
+        policy = keras_mp.Policy("c=half")
+        assert policy.compute_dtype == expected
+        assert policy.variable_dtype == "float32"
+
+    @pytest.mark.parametrize(
+        "name", ["mixed_float16", "mixed_bfloat16", "float32", "bfloat16"]
+    )
+    def test_names_keep_output_equal_to_compute(self, name):
+        policy = keras_mp.Policy(name)
+        assert policy.output_dtype == policy.compute_dtype
+
+    def test_output_dtype_is_read_only(self):
+        policy = keras_mp.Policy("p=f32,c=bf16,o=f32")
+        with pytest.raises(AttributeError):
+            policy.output_dtype = "float16"
+
+    def test_auto_loss_scale_follows_float16_compute_with_float32_params(self):
+        scaled = keras_mp.Policy("p=f32,c=f16,o=f32")
+        assert isinstance(scaled.loss_scale, keras_mp.DynamicLossScale)
+        assert keras_mp.Policy("p=f16,c=f16,o=f32").loss_scale is None
+        assert keras_mp.Policy("p=f32,c=bf16,o=f32").loss_scale is None
+
+    @pytest.mark.parametrize(
+        "spec, fragment",
+        [
+            ("p=f32,x=f16", "Unknown key 'x'"),
+            ("c=f8", "Unknown dtype 'f8'"),
+            ("c=int8", "Unknown dtype 'int8'"),
+            ("p=f32,p=f16", "gives 'params' twice"),
+            ("p=f32,c", "Unknown key 'c'"),
+        ],
+    )
+    def test_bad_spec_raises_value_error_listing_keys_and_dtypes(
+        self, spec, fragment
+    ):
+        with pytest.raises(ValueError) as info:
+            keras_mp.Policy(spec)
+        message = str(info.value)
+        assert fragment in message
+        for valid in ("p/c/o", "'bf16'", "'f16'", "'full'", "'half'"):
+            assert valid in message
+        assert f"Received: name={spec!r}" in message
+
+    def test_spec_config_round_trips_with_its_loss_scale(self):
+        policy = keras_mp.Policy("p=f32,c=f16,o=f32", loss_scale=64)
+        restored = keras_mp.Policy.from_config(policy.get_config())
+        assert restored == policy
+        assert restored.output_dtype == "float32"
+        assert float(to_numpy(restored.loss_scale())) == 64.0
+
+    @pytest.mark.parametrize(
+        "make_layer, input_shape",
+        [
+            (lambda dtype: keras.layers.Dense(3, dtype=dtype), (2, 4)),
+            (
+                lambda dtype: keras.layers.Conv2D(2, 3, dtype=dtype),
+                (1, 5, 5, 2),
+            ),
+            (
+                lambda dtype: keras.layers.Activation("softmax", dtype=dtype),
+                (2, 4),
+            ),
+        ],
+        ids=["Dense", "Conv2D", "Activation"],
+    )
+    def test_built_in_layers_return_the_output_dtype(
+        self, make_layer, input_shape
+    ):
+        policy = keras_mp.Policy("p=f32,c=bf16,o=f32")
+        layer = make_layer(policy)
+        eager = layer(np.ones(input_shape, "float32"))
+        assert _dtype(eager) == "float32"
+        symbolic = make_layer(policy)(keras.Input(input_shape[1:]))
+        assert symbolic.dtype == "float32"
+        # Computed in bfloat16: the output is bfloat16-rounded.
+        reference = make_layer("mixed_bfloat16")
+        reference.build(input_shape)
+        reference.set_weights(layer.get_weights())
+        x = np.random.default_rng(0).normal(size=input_shape)
+        np.testing.assert_array_equal(
+            to_numpy(layer(x)),
+            to_numpy(reference(x)).astype("float32"),
+        )
+
+    def test_mixed_name_layers_still_return_the_compute_dtype(self):
+        layer = keras.layers.Dense(2, dtype=keras_mp.Policy("mixed_bfloat16"))
+        assert _dtype(layer(np.ones((1, 3)))) == "bfloat16"
+
+    def test_output_dtype_reaches_the_next_layer_inside_fit_and_predict(self):
+        record = _RecordInputDtype()
+        inputs = keras.Input((4,))
+        hidden = keras.layers.Dense(
+            3, dtype=keras_mp.Policy("p=f32,c=bf16,o=f32")
+        )(inputs)
+        plain = keras.layers.Dense(3, dtype="mixed_bfloat16")(inputs)
+        outputs = record(
+            keras.layers.Concatenate(dtype="float32")(
+                [
+                    hidden,
+                    keras.layers.Activation("linear", dtype="float32")(plain),
+                ]
+            )
+        )
+        model = keras.Model(inputs, outputs)
+        assert set(record.seen) == {"float32"}
+        model.compile("sgd", "mse")
+        x = np.ones((4, 4), "float32")
+        record.seen.clear()
+        model.fit(x, np.ones((4, 6)), epochs=1, verbose=0)
+        model.predict(x, verbose=0)
+        assert record.seen and set(record.seen) == {"float32"}
+
+    def test_output_cast_runs_inside_a_compiled_train_step(self):
+        record = _RecordInputDtype()
+        model = keras.Sequential(
+            [
+                keras.Input((4,)),
+                keras.layers.Dense(
+                    3, dtype=keras_mp.Policy("p=f32,c=bf16,o=f32")
+                ),
+                record,
+            ]
+        )
+        model.compile("sgd", "mse", jit_compile=True)
+        record.seen.clear()
+        model.fit(np.ones((4, 4)), np.ones((4, 3)), epochs=1, verbose=0)
+        assert record.seen and set(record.seen) == {"float32"}
+
+    def test_output_cast_keeps_the_mask(self):
+        inputs = np.array([[1, 2, 0]])
+        embedding = keras.layers.Embedding(
+            4, 2, mask_zero=True, dtype=keras_mp.Policy("p=f32,c=bf16,o=f32")
+        )
+        outputs = embedding(inputs)
+        assert _dtype(outputs) == "float32"
+        np.testing.assert_array_equal(
+            to_numpy(outputs._keras_mask), [[True, True, False]]
+        )
+
+    def test_layer_with_a_spec_policy_reloads_with_it(self, tmp_path):
+        policy = keras_mp.Policy("p=f32,c=bf16,o=f32", loss_scale=8)
+        model = keras.Sequential(
+            [keras.Input((3,)), keras.layers.Dense(2, dtype=policy)]
+        )
+        path = str(tmp_path / "model.keras")
+        model.save(path)
+        restored = keras.models.load_model(path)
+        dense = restored.layers[-1]
+        assert dense.dtype_policy == policy
+        assert dense.dtype_policy.output_dtype == "float32"
+        x = np.ones((2, 3), "float32")
+        assert _dtype(restored(x)) == "float32"
+        np.testing.assert_array_equal(to_numpy(restored(x)), to_numpy(model(x)))
+
+
+class TestSavedPolicyFormat:
+    """A layer's policy is saved without `class_name`, with a note for Keras.
+
+    Keras alone then refuses it with an error that shows the note (see
+    `tests/interop_test.py`); with keras_mp imported it loads as before.
+    """
+
+    def _policy(self):
+        return keras_mp.Policy("p=f32,c=f16,o=f32", loss_scale=16)
+
+    def test_layer_config_carries_the_note_and_no_class_name(self):
+        config = keras.layers.Dense(2, dtype=self._policy()).get_config()
+        dtype = config["dtype"]
+        assert list(dtype)[0] == "keras_mp"
+        assert "import keras_mp" in dtype["keras_mp"]
+        assert "class_name" not in dtype
+        assert dtype["registered_name"] == "keras_mp>Policy"
+        plain = keras.saving.serialize_keras_object(self._policy())
+        assert {k: v for k, v in dtype.items() if k != "keras_mp"} == {
+            k: v for k, v in plain.items() if k != "class_name"
+        }
+
+    def test_keras_policies_are_saved_as_keras_writes_them(self):
+        config = keras.layers.Dense(2, dtype="mixed_bfloat16").get_config()
+        assert config["dtype"] == keras.saving.serialize_keras_object(
+            keras.DTypePolicy("mixed_bfloat16")
+        )
+
+    def test_public_serialize_and_deserialize_round_trip(self):
+        serialized = keras.dtype_policies.serialize(self._policy())
+        assert "class_name" not in serialized
+        restored = keras.dtype_policies.deserialize(serialized)
+        assert restored == self._policy()
+        assert keras.dtype_policies.get(serialized) == self._policy()
+
+    def test_layer_saved_in_the_previous_format_loads_identically(self):
+        layer = keras.layers.Dense(2, dtype=self._policy())
+        layer.build((None, 3))
+        new_format = layer.get_config()
+        old_format = dict(
+            new_format,
+            dtype=keras.saving.serialize_keras_object(self._policy()),
+        )
+        assert "class_name" in old_format["dtype"]
+        restored = [
+            keras.layers.deserialize(
+                {
+                    "class_name": "Dense",
+                    "config": config,
+                    "module": "keras.layers",
+                }
+            )
+            for config in (old_format, new_format)
+        ]
+        for other in restored:
+            assert other.dtype_policy == layer.dtype_policy
+            assert other.get_config() == new_format
+
+    def test_custom_layer_building_itself_from_the_config_gets_the_policy(self):
+        class Custom(keras.layers.Dense):
+            @classmethod
+            def from_config(cls, config):
+                return cls(**config)
+
+        config = Custom(2, dtype=self._policy()).get_config()
+        assert Custom.from_config(config).dtype_policy == self._policy()

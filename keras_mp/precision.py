@@ -1,0 +1,489 @@
+"""Precision rules: float32 islands in a mixed model, and why each layer is so.
+
+Mixed precision is a per-layer decision. A few places lose too much in 16
+bits: a softmax over many classes, the logits a loss reads. tf.keras left
+them to a rule users had to remember ("put `dtype='float32'` on the last
+layer"). Here they are declared once, as rules from a layer class or a layer
+path pattern to a policy, applied to every model built while they are active,
+and `explain_precision` answers "why is this layer float32?".
+
+What Keras 3 already does, so no rule is needed for it:
+
+- Normalization statistics: `BatchNormalization`, `LayerNormalization`,
+  `GroupNormalization` and `RMSNormalization` upcast their inputs to float32
+  to compute mean and variance, keep their gamma/beta/moving statistics in
+  float32 (`autocast=False`), and cast the result back to the compute dtype.
+  Giving them a float32 policy would only add casts.
+- Losses: Keras losses convert predictions to their own `dtype` (float32
+  unless set), and `keras_mp.losses` do the same; the loss is a float32
+  island already.
+"""
+
+import functools
+import re
+
+import keras
+
+from keras_mp import _keras_internals
+from keras_mp import autocast
+from keras_mp import policy as policy_module
+from keras_mp.policy import Policy
+
+# `outputs=` was not given, as opposed to `outputs=None` (output layers keep
+# the global policy, overriding a base rule set).
+_UNSET = object()
+
+
+class _Rule:
+    """One selector and the policy it gives; None keeps the global policy."""
+
+    def __init__(self, selector, policy, origin):
+        self.selector = selector
+        self.policy = policy
+        self.origin = origin
+
+    def matches(self, layer, path, is_output):
+        if self.selector is _OUTPUTS:
+            return is_output
+        if isinstance(self.selector, str):
+            return path is not None and re.fullmatch(self.selector, path)
+        return isinstance(layer, self.selector)
+
+    def __str__(self):
+        if self.selector is _OUTPUTS:
+            selector = "model outputs"
+        elif isinstance(self.selector, str):
+            selector = f"path {self.selector!r}"
+        else:
+            selector = " | ".join(c.__name__ for c in self.selector)
+        target = "global policy" if self.policy is None else self.policy.name
+        return f"{self.origin}: {selector} -> {target}"
+
+
+_OUTPUTS = object()
+
+
+class PrecisionRules:
+    """An ordered set of rules from layers to dtype policies.
+
+    Made by `keras_mp.precision_rules`; see there. The first rule that
+    matches a layer gives its policy.
+    """
+
+    def __init__(self, rules, name):
+        self._rules = tuple(rules)
+        self._name = name
+
+    @property
+    def name(self):
+        """The name that `explain_precision` shows beside each rule."""
+        return self._name
+
+    @property
+    def rules(self):
+        """The rules, in the order they are tried, as readable strings."""
+        return [str(rule) for rule in self._rules]
+
+    def _match(self, layer, path, is_output, class_rules_only=False):
+        for rule in self._rules:
+            if class_rules_only and not isinstance(rule.selector, tuple):
+                continue
+            if rule.matches(layer, path, is_output):
+                return rule
+        return None
+
+    def policy_map(self, model):
+        """Compiles the rules for a built model into a `DTypePolicyMap`.
+
+        Args:
+            model: A built Keras model.
+
+        Returns:
+            A `keras.dtype_policies.DTypePolicyMap` whose default is the
+            model's policy, with one exact-path entry (a layer's `path`, or
+            its `name` for a layer without weights, which Keras gives no
+            path) for each layer of the model that a rule gives a policy.
+            Layers built from config with this map as `dtype` look their
+            entry up by path.
+        """
+        _check_model(model)
+        policy_map = keras.dtype_policies.DTypePolicyMap(
+            default_policy=policy_module.layer_policy(model)
+        )
+        outputs = _output_layers(model)
+        for layer in _walk(model, into_models=True):
+            rule = self._match(layer, _path(layer), id(layer) in outputs)
+            if rule is not None and rule.policy is not None:
+                policy_map[_path(layer)] = _fitted(rule.policy, layer)
+        return policy_map
+
+    def __repr__(self):
+        rules = "; ".join(self.rules)
+        return f"<PrecisionRules {self._name!r}: {rules}>"
+
+
+def _to_rule_policy(value, key):
+    if value is None:
+        return None
+    try:
+        return policy_module._to_policy(value)
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            "A precision rule maps to a policy (a name such as 'float32', "
+            "a spec, a keras_mp.Policy or a keras.DTypePolicy) or to None "
+            f"(keep the global policy). Received: {key!r} -> {value!r} "
+            f"({error})"
+        ) from None
+
+
+def _to_selector(key):
+    if isinstance(key, str):
+        try:
+            re.compile(key)
+        except re.error as error:
+            raise ValueError(
+                "A path pattern must be a regular expression matched against "
+                f"the whole layer path. Received: {key!r} ({error})"
+            ) from None
+        return key
+    classes = key if isinstance(key, tuple) else (key,)
+    if not classes or not all(
+        isinstance(c, type) and issubclass(c, keras.layers.Layer)
+        for c in classes
+    ):
+        raise TypeError(
+            "A precision rule's key is a Keras layer class (or a tuple of "
+            "them) or a layer path pattern (a string, matched with "
+            f"re.fullmatch against `layer.path`). Received: {key!r}"
+        )
+    return classes
+
+
+def precision_rules(rules=None, outputs=_UNSET, base=None, name=None):
+    """Declares which layers get which dtype policy, such as float32 islands.
+
+    Active rules (`keras_mp.set_global_policy(policy, float32_islands=rules)`)
+    apply to every layer created afterwards without an explicit `dtype`: a
+    layer created with `dtype=` keeps it. The first matching rule wins: the
+    entries of `rules` in order, then `outputs`, then the rules of `base`,
+    so user rules override the defaults they extend.
+
+    When they apply: class rules when the layer is created (so its weights
+    are created in the right dtype); path and `outputs` rules once the model
+    is known, when a Sequential or functional model is built, or after the
+    first call of a subclassed model (which `fit` makes before it traces
+    its training step). Each layer is decided once, by the first model
+    built on it: a second model over the same layers (a feature extractor)
+    changes nothing, and a layer `add`ed to an already built Sequential
+    model does not move the output rule to it. A layer that already has
+    weights keeps their dtype and takes the rule's compute and output
+    dtypes. Subclassed models have no
+    layer graph, so `outputs` cannot find their output layers: name those
+    with a path or class rule. The resulting dtypes are in each layer's
+    config, so a saved model reloads with them, rules active or not.
+
+    Args:
+        rules: A dict from a Keras layer class (or a tuple of classes) or a
+            layer path pattern (a regular expression matched with
+            `re.fullmatch` against `layer.path`, or against `layer.name`
+            for layers that have no weights and so no path) to a policy:
+            anything `keras_mp.Policy` takes, or None to keep the global
+            policy (which switches a `base` rule off). Defaults to None.
+        outputs: The policy of the layers that produce a Sequential or
+            functional model's outputs (the logits, the probabilities), or
+            None to keep the global policy there. Defaults to not set.
+        base: Rules these extend: `"default"` (`DEFAULT_FLOAT32_ISLANDS`),
+            a `PrecisionRules`, or None. Defaults to None.
+        name: Shown by `explain_precision` beside each rule. Defaults to
+            `"precision_rules"`.
+
+    Returns:
+        A `PrecisionRules`.
+
+    Example:
+
+    >>> rules = keras_mp.precision_rules(
+    ...     {"head_.*": "float32", keras.layers.Softmax: None}, base="default"
+    ... )
+    >>> for rule in rules.rules:
+    ...     print(rule)
+    precision_rules: path 'head_.*' -> float32
+    precision_rules: Softmax -> global policy
+    DEFAULT_FLOAT32_ISLANDS: Softmax -> float32
+    DEFAULT_FLOAT32_ISLANDS: model outputs -> float32
+    """
+    name = "precision_rules" if name is None else name
+    if not isinstance(name, str):
+        raise TypeError(f"`name` must be a string. Received: name={name!r}")
+    if rules is None:
+        rules = {}
+    if not isinstance(rules, dict):
+        raise TypeError(
+            "`rules` must be a dict from layer classes or path patterns to "
+            f"policies. Received: rules={rules!r}"
+        )
+    compiled = [
+        _Rule(_to_selector(key), _to_rule_policy(value, key), name)
+        for key, value in rules.items()
+    ]
+    if outputs is not _UNSET:
+        compiled.append(
+            _Rule(_OUTPUTS, _to_rule_policy(outputs, "outputs"), name)
+        )
+    base = _resolve(base, "base")
+    if base is not None:
+        compiled.extend(base._rules)
+    return PrecisionRules(compiled, name)
+
+
+def _resolve(value, argument):
+    if value is None or isinstance(value, PrecisionRules):
+        return value
+    if isinstance(value, str) and value == "default":
+        return DEFAULT_FLOAT32_ISLANDS
+    raise ValueError(
+        f"`{argument}` must be 'default', a keras_mp.precision_rules(...) "
+        f"or None. Received: {argument}={value!r}"
+    )
+
+
+DEFAULT_FLOAT32_ISLANDS = precision_rules(
+    {keras.layers.Softmax: "float32"},
+    outputs="float32",
+    name="DEFAULT_FLOAT32_ISLANDS",
+)
+"""The float32 islands of `set_global_policy(..., float32_islands="default")`.
+
+`Softmax` layers, and the layers that produce a Sequential or functional
+model's outputs (logits, or a final softmax/sigmoid activation), compute in
+float32. Normalization statistics and losses need no rule: Keras computes
+them in float32 already (see the module docstring).
+"""
+
+
+policy_module._install_islands_resolver(
+    lambda value: _resolve(value, "float32_islands")
+)
+
+
+def _path(layer):
+    # Keras sets `path` when a layer builds; layers without weights never
+    # build and have none, so their name stands in.
+    return layer.path if layer.path is not None else layer.name
+
+
+def _walk(layer, into_models):
+    for sublayer in layer._flatten_layers(include_self=False, recursive=False):
+        yield sublayer
+        if into_models or not isinstance(sublayer, keras.Model):
+            yield from _walk(sublayer, into_models)
+
+
+def _output_layers(model):
+    """ids of the layers producing a functional model's outputs."""
+    outputs = getattr(model, "_functional", model)
+    if not isinstance(outputs, _keras_internals.Functional):
+        return set()
+    layers = set()
+    for tensor in keras.tree.flatten(outputs.outputs):
+        operation = _keras_internals.producing_operation(tensor)
+        if isinstance(operation, keras.layers.Layer) and not isinstance(
+            operation, (keras.layers.InputLayer, keras.Model)
+        ):
+            layers.add(id(operation))
+    return layers
+
+
+def _fitted(policy, layer):
+    """`policy`, keeping the variable dtype of a layer that has weights."""
+    current = policy_module.layer_policy(layer)
+    if (
+        not layer.weights
+        or isinstance(policy, keras.dtype_policies.DTypePolicyMap)
+        or policy.variable_dtype == current.variable_dtype
+    ):
+        return policy
+    return Policy(
+        f"params={current.variable_dtype},compute={policy.compute_dtype},"
+        f"output={policy.output_dtype}",
+        loss_scale=policy.loss_scale,
+    )
+
+
+def _set_policy(layer, policy):
+    if isinstance(layer.dtype_policy, keras.dtype_policies.DTypePolicyMap):
+        _keras_internals.replace_layer_policy(layer, policy)
+    else:
+        layer.dtype_policy = policy
+    casts = layer.compute_dtype != layer.variable_dtype
+    for variable in _keras_internals.own_variables(layer):
+        if _keras_internals.variable_autocasts(variable):
+            autocast.set_marked(variable, casts)
+
+
+def _install_layer_init_hook():
+    original = keras.layers.Layer.__init__
+    if getattr(original, "_keras_mp_hook", False):
+        return
+
+    # Keyword-only, as `Layer.__init__` is: `Operation.__new__` reads the
+    # signature (through `__wrapped__`) and the argspec (of this function)
+    # of a layer class's `__init__` to record its auto config.
+    @functools.wraps(original)
+    def __init__(self, **kwargs):
+        explicit = kwargs.get("dtype") is not None
+        original(self, **kwargs)
+        rules = policy_module._global_float32_islands
+        if explicit or rules is None:
+            return
+        self._keras_mp_islands = rules
+        self._keras_mp_global_policy = self.dtype_policy
+        rule = rules._match(self, None, False, class_rules_only=True)
+        if rule is not None and rule.policy is not None:
+            self.dtype_policy = rule.policy
+            self._keras_mp_precision_rule = str(rule)
+
+    __init__._keras_mp_hook = True
+    keras.layers.Layer.__init__ = __init__
+
+
+def _apply_rules(model):
+    """Applies the rules that were active when each layer was created."""
+    outputs = _output_layers(model)
+    for layer in _walk(model, into_models=False):
+        rules = getattr(layer, "_keras_mp_islands", None)
+        if rules is None or getattr(layer, "_keras_mp_rules_decided", False):
+            continue
+        rule = rules._match(layer, _path(layer), id(layer) in outputs)
+        if rule is None or rule.policy is None:
+            policy = layer._keras_mp_global_policy
+        else:
+            policy = rule.policy
+        if policy is not layer.dtype_policy:
+            _set_policy(layer, _fitted(policy, layer))
+        layer._keras_mp_precision_rule = None if rule is None else str(rule)
+        # Once: a second model built on these layers (a feature extractor
+        # whose outputs are inner layers) must not change the first one.
+        layer._keras_mp_rules_decided = True
+    model._keras_mp_rules_applied = True
+
+
+def _after_call(operation, outputs):
+    if (
+        isinstance(operation, keras.Model)
+        and not isinstance(operation, _keras_internals.Functional)
+        and not getattr(operation, "_keras_mp_rules_applied", False)
+        and getattr(operation, "_keras_mp_islands", None) is not None
+        and operation.built
+    ):
+        _apply_rules(operation)
+    return outputs
+
+
+_install_layer_init_hook()
+_keras_internals.install_functional_init_hook(_apply_rules)
+_keras_internals.install_call_hook("precision_rules", _after_call)
+
+
+def _check_model(model):
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(
+            "Expected a Keras model or layer. Received: "
+            f"model={model!r} (of type {type(model).__name__})"
+        )
+
+
+def explain_precision(model, rules=None, print_fn=print):
+    """Prints, per layer, its variable, compute and output dtypes and why.
+
+    The answer to "why is this layer float32?": the rule that gave each
+    layer its policy (see `precision_rules`), or where the policy came from
+    otherwise: the global policy at creation, or the layer's own `dtype`
+    (which is what layers reloaded from a saved model have: pass the rules
+    to name the one that matches them).
+
+    Args:
+        model: A Keras model (Sequential, functional or subclassed) or layer.
+        rules: A `PrecisionRules` (or `"default"`) to attribute the dtypes of
+            layers that no active rule set, such as layers of a reloaded
+            model. Defaults to None.
+        print_fn: Called with the table as one string; None prints nothing.
+            Defaults to `print`.
+
+    Returns:
+        A list with one dict per layer (depth first, as `model.summary`
+        nests): `layer` (its path, or its name for layers without weights),
+        `class_name`, `variable_dtype`, `compute_dtype`, `output_dtype` and
+        `rule`.
+
+    Example:
+
+    >>> policy = keras_mp.Policy("p=f32,c=bf16,o=f32")
+    >>> layer = keras.layers.Dense(2, dtype=policy)
+    >>> rows = keras_mp.explain_precision(layer, print_fn=None)
+    >>> [(row["compute_dtype"], row["output_dtype"]) for row in rows]
+    [('bfloat16', 'float32')]
+    """
+    _check_model(model)
+    rules = _resolve(rules, "rules")
+    layers = [model, *_walk(model, into_models=True)]
+    outputs = _output_layers(model)
+    rows = []
+    for layer in layers:
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        policy = policy_module.layer_policy(layer)
+        output_dtype = getattr(policy, "output_dtype", policy.compute_dtype)
+        rows.append(
+            {
+                "layer": _path(layer),
+                "class_name": type(layer).__name__,
+                "variable_dtype": policy.variable_dtype,
+                "compute_dtype": policy.compute_dtype,
+                "output_dtype": output_dtype,
+                "rule": _reason(layer, policy, rules, id(layer) in outputs),
+            }
+        )
+    if print_fn is not None:
+        print_fn(_table(rows))
+    return rows
+
+
+def _reason(layer, policy, rules, is_output):
+    recorded = getattr(layer, "_keras_mp_precision_rule", None)
+    if recorded is not None:
+        return recorded
+    if rules is not None:
+        rule = rules._match(layer, _path(layer), is_output)
+        if rule is not None and rule.policy is not None:
+            expected = _fitted(rule.policy, layer)
+            if (
+                expected.compute_dtype == policy.compute_dtype
+                and expected.output_dtype
+                == getattr(policy, "output_dtype", policy.compute_dtype)
+            ):
+                return str(rule)
+    if hasattr(layer, "_keras_mp_islands"):
+        return "global policy"
+    return "dtype argument"
+
+
+def _table(rows):
+    header = {
+        "layer": "layer",
+        "class_name": "class",
+        "variable_dtype": "variable",
+        "compute_dtype": "compute",
+        "output_dtype": "output",
+        "rule": "rule",
+    }
+    keys = list(header)
+    widths = {
+        key: max(len(str(row[key])) for row in [header, *rows]) for key in keys
+    }
+    lines = []
+    for row in [header, *rows]:
+        cells = [str(row[key]).ljust(widths[key]) for key in keys]
+        lines.append("  ".join(cells).rstrip())
+    lines.insert(1, "  ".join("-" * widths[key] for key in keys))
+    return "\n".join(lines)
