@@ -17,12 +17,15 @@ from keras.src.backend.common.variables import get_autocast_scope
 from keras.src.dtype_policies import dtype_policy as dtype_policy_module
 from keras.src.dtype_policies.dtype_policy import QUANTIZATION_MODES
 from keras.src.ops.operation import Operation
+from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.saving.keras_saveable import KerasSaveable
 from keras.src.trainers.trainer import Trainer
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 __all__ = [
     "AutocastScope",
+    "BaseOptimizer",
+    "NON_STATE_SLOT_NAMES",
     "KerasSaveable",
     "QUANTIZATION_MODES",
     "Trainer",
@@ -37,9 +40,33 @@ __all__ = [
     "no_automatic_dependency_tracking",
     "set_keras_thread_policy",
     "stored_dtype",
+    "torch_parallel_optimizer_class",
     "variable_autocasts",
     "without_autocast",
 ]
+
+
+# Names that `BaseOptimizer.build` gives the variables it creates from
+# reference variables for every optimizer (keras 3.5 - 3.15): the moving
+# average of `use_ema` and the gradient accumulators. They hold copies of
+# weights and gradients, not the update rule's state, and Keras writes them
+# with `Variable.assign`, not through the optimizer's `assign`.
+NON_STATE_SLOT_NAMES = ("average", "gradient_accumulator")
+
+
+def torch_parallel_optimizer_class():
+    """The base class of Keras's PyTorch optimizers that update in bulk.
+
+    On the torch backend `keras.optimizers.Adam(...)` (and SGD, RMSprop,
+    Adagrad, Lion, Nadam, ...) returns a subclass of
+    `keras.src.backend.torch.optimizers.torch_parallel_optimizer.
+    TorchParallelOptimizer` (keras 3.0 - 3.15), whose
+    `_backend_update_step` updates every slot with `torch._foreach_*`
+    calls instead of `update_step` and `assign`.
+    """
+    from keras.src.backend.torch.optimizers import torch_parallel_optimizer
+
+    return torch_parallel_optimizer.TorchParallelOptimizer
 
 
 def stored_dtype(variable):
