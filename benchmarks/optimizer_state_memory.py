@@ -50,7 +50,15 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=40, help="steps a repeat")
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats")
     parser.add_argument("--width", type=int, default=1024, help="hidden units")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        default=os.environ.get("KERAS_MP_QUICK") == "1",
+        help="width 32, 2 steps, 1 repeat: checks that it runs",
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.width, args.steps, args.repeats = 32, 2, 1
     for name in ("steps", "repeats", "width"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
