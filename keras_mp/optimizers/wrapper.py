@@ -1128,18 +1128,21 @@ def stochastic_round_to_bfloat16(value, seed):
     average; rounding to nearest drops them every time. NaN stays NaN,
     infinities stay infinite.
 
+    The bits come from a counter-based hash of each element's index and a
+    key drawn from `seed`: a few integer operations per element, against
+    the many of `keras.random`'s generators (Threefry, Philox), and no host
+    round trip on any backend.
+
     Args:
         value: A float32 tensor.
-        seed: A `keras.random.SeedGenerator` (or a seed Keras accepts).
+        seed: A `keras.random.SeedGenerator`.
 
     Returns:
         A bfloat16 tensor of the same shape.
     """
     value = ops.cast(value, "float32")
     bits = ops.view(value, "int32")
-    noise = keras.random.randint(
-        ops.shape(value), 0, 1 << 16, dtype="int32", seed=seed
-    )
+    noise = ops.bitwise_and(_random_bits(ops.shape(value), seed), 0xFFFF)
     # -65536 is 0xFFFF0000: the sign, exponent and bfloat16 mantissa bits.
     # A carry out of the low half moves to the next bfloat16 value.
     truncated = ops.view(ops.bitwise_and(bits + noise, -65536), "float32")
@@ -1156,6 +1159,31 @@ def _saved_state_precision(values):
         or v.dtype == np.float32
         for v in values
     )
+
+
+def _random_bits(shape, seed_generator):
+    """32 pseudo-random bits per element (int32), from the generator's next
+    key and each element's index through the `lowbias32` integer hash (C.
+    Wellons): uniform enough for rounding noise, and cheap. int32 products
+    wrap on every backend; right shifts are made logical by masking."""
+    seed = ops.cast(seed_generator.next(), "int32")
+    key = _hash32(ops.add(ops.multiply(seed[0], -1640531527), seed[1]))
+    size = int(np.prod(shape)) if len(shape) else 1
+    index = ops.reshape(ops.arange(size, dtype="int32"), shape)
+    return _hash32(ops.add(index, key))
+
+
+def _hash32(x):
+    x = ops.bitwise_xor(x, _shift_right(x, 16))
+    x = ops.multiply(x, 0x7FEB352D)
+    x = ops.bitwise_xor(x, _shift_right(x, 15))
+    x = ops.multiply(x, -2073254261)  # 0x846CA68B as an int32
+    return ops.bitwise_xor(x, _shift_right(x, 16))
+
+
+def _shift_right(x, bits):
+    """Logical right shift of int32 values."""
+    return ops.bitwise_and(ops.right_shift(x, bits), (1 << (32 - bits)) - 1)
 
 
 def _state_precision_owner(optimizer):
