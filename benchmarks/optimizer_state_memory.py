@@ -8,6 +8,10 @@ the backend named by KERAS_BACKEND:
   (stochastic rounding on, the default), float32 weights;
 - bf16_nearest: the same with `stochastic_rounding=False` (round to
   nearest), to show what the random bits cost;
+- bf16_params_adam: plain Keras Adam on the model built under
+  `keras_mp.Policy("bfloat16")`: its slots follow the bfloat16 weights and
+  its math is bfloat16; the baseline that shows what bfloat16 compute
+  costs on this machine, apart from the optimizer;
 - bf16_state_master: the same with `master_weights=True` and the model
   built under `keras_mp.Policy("bfloat16")` (bfloat16 weights, float32
   masters inside the optimizer).
@@ -41,7 +45,14 @@ import numpy as np
 import keras_mp
 from keras_mp.backend import memory
 
-VARIANTS = ("float32_adam", "bf16_state", "bf16_nearest", "bf16_state_master")
+VARIANTS = (
+    "float32_adam",
+    "bf16_state",
+    "bf16_nearest",
+    "bf16_params_adam",
+    "bf16_state_master",
+)
+BFLOAT16_MODELS = ("bf16_params_adam", "bf16_state_master")
 BATCH_SIZE = 64
 
 
@@ -67,7 +78,7 @@ def parse_args(argv=None):
 
 def build(variant, width):
     keras.utils.set_random_seed(0)
-    policy = "bfloat16" if variant == "bf16_state_master" else "float32"
+    policy = "bfloat16" if variant in BFLOAT16_MODELS else "float32"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "bfloat16 policies train badly"
         with keras_mp.policy_scope(keras_mp.Policy(policy)):
@@ -77,7 +88,7 @@ def build(variant, width):
                 + [keras.layers.Dense(10, dtype="float32")]
             )
     optimizer = keras.optimizers.Adam(1e-3)
-    if variant != "float32_adam":
+    if variant not in ("float32_adam", "bf16_params_adam"):
         optimizer = keras_mp.OptimizerWrapper(
             optimizer,
             state_dtype="bfloat16",

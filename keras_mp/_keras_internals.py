@@ -17,14 +17,12 @@ from keras.src.backend.common.variables import get_autocast_scope
 from keras.src.dtype_policies import dtype_policy as dtype_policy_module
 from keras.src.dtype_policies.dtype_policy import QUANTIZATION_MODES
 from keras.src.ops.operation import Operation
-from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.saving.keras_saveable import KerasSaveable
 from keras.src.trainers.trainer import Trainer
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 __all__ = [
     "AutocastScope",
-    "BaseOptimizer",
     "NON_STATE_SLOT_NAMES",
     "KerasSaveable",
     "QUANTIZATION_MODES",
@@ -64,9 +62,9 @@ def torch_parallel_optimizer_class():
     `_backend_update_step` updates every slot with `torch._foreach_*`
     calls instead of `update_step` and `assign`.
     """
-    from keras.src.backend.torch.optimizers import torch_parallel_optimizer
+    import keras.src.backend.torch.optimizers.torch_parallel_optimizer as bulk
 
-    return torch_parallel_optimizer.TorchParallelOptimizer
+    return bulk.TorchParallelOptimizer
 
 
 def stored_dtype(variable):

@@ -476,3 +476,55 @@ def test_state_dtype_needs_an_unbuilt_optimizer_and_one_wrapper_setting_it():
     )
     with pytest.raises(ValueError, match="already sets them"):
         keras_mp.LossScaleOptimizer(inner, master_weights=True)
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "float16"])
+def test_float32_and_float16_state_round_to_nearest(state_dtype):
+    variable = keras.Variable(np.ones((4,), "float32"))
+    optimizer = keras_mp.OptimizerWrapper(
+        keras.optimizers.Adam(0.5), state_dtype=state_dtype
+    )
+    assert optimizer.get_config()["stochastic_rounding"] is False
+    _apply(optimizer, [ops.ones((4,))], [variable])
+    assert {_dtype(s) for s in _slots(optimizer)} == {state_dtype}
+    assert not any("seed" in v.path for v in optimizer.variables)
+    np.testing.assert_allclose(to_numpy(variable), 0.5, rtol=1e-3)
+
+
+def test_ema_and_gradient_accumulators_keep_the_variable_dtype():
+    variable = keras.Variable(np.ones((4,), "float32"))
+    optimizer = keras_mp.OptimizerWrapper(
+        keras.optimizers.Adam(0.1, use_ema=True, gradient_accumulation_steps=2),
+        state_dtype="bfloat16",
+    )
+    optimizer.build([variable])
+    dtypes = {
+        v.path.rsplit("_", 1)[-1]: _dtype(v)
+        for v in optimizer.inner_optimizer.variables
+        if tuple(v.shape) == (4,)
+    }
+    assert dtypes == {
+        "average": "float32",
+        "accumulator": "float32",
+        "momentum": "bfloat16",
+        "velocity": "bfloat16",
+    }
+
+
+@pytest.mark.backends("torch")
+def test_torch_bulk_updates_are_routed_through_update_step():
+    from keras_mp import _keras_internals
+
+    inner = keras.optimizers.Adam(0.1)
+    # Keras's torch Adam updates in bulk, bypassing `assign`.
+    assert isinstance(inner, _keras_internals.torch_parallel_optimizer_class())
+    optimizer = keras_mp.OptimizerWrapper(inner, state_dtype="bfloat16")
+    variable = keras.Variable(np.ones((4,), "float32"))
+    calls = []
+    update_step = inner.update_step
+    inner.__dict__["update_step"] = lambda *args: (
+        calls.append(1),
+        update_step(*args),
+    )
+    optimizer.apply([ops.ones((4,))], [variable])
+    assert calls == [1]

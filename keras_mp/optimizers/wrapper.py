@@ -229,6 +229,15 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
     >>> opt.momentum = 0.5
     >>> float(opt.inner_optimizer.momentum)
     0.5
+
+    Adam's moments in bfloat16 (half the memory), updated in float32:
+
+    >>> opt = keras_mp.OptimizerWrapper(
+    ...     keras.optimizers.Adam(), state_dtype="bfloat16"
+    ... )
+    >>> opt.build([keras.Variable([1.0, 2.0])])
+    >>> [str(v.dtype) for v in opt.inner_optimizer.variables[2:]]
+    ['bfloat16', 'bfloat16']
     """
 
     def __init__(
@@ -607,6 +616,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             add_variable_from_reference
         )
         base.__dict__["add_variable"] = add_variable
+        # Torch's bulk updates could not store into slots of another dtype
+        # than the variable's, nor round them.
+        optimizer_state.route_updates_through_update_step(base)
         if state_dtype not in _HALF_DTYPES:
             # float32 slots store the float32 result as it is.
             return
@@ -656,7 +668,6 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         ):
             combine.original = getattr(base, name)
             base.__dict__[name] = store(combine)
-        optimizer_state.route_updates_through_update_step(base)
 
     def _round_state(self, value):
         """A float32 `value` stored in `state_dtype`."""
