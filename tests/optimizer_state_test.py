@@ -471,11 +471,14 @@ def test_state_dtype_needs_an_unbuilt_optimizer_and_one_wrapper_setting_it():
     built.build([keras.Variable(np.ones((2,), "float32"))])
     with pytest.raises(ValueError, match="must not be built yet"):
         keras_mp.OptimizerWrapper(built, state_dtype="bfloat16")
+    # Nothing half-applied: the optimizer can still be wrapped.
+    assert keras_mp.OptimizerWrapper(built).inner_optimizer is built
     inner = keras_mp.OptimizerWrapper(
         keras.optimizers.Adam(), state_dtype="bfloat16"
     )
     with pytest.raises(ValueError, match="already sets them"):
         keras_mp.LossScaleOptimizer(inner, master_weights=True)
+    assert keras_mp.LossScaleOptimizer(inner).inner_optimizer is inner
 
 
 @pytest.mark.parametrize("state_dtype", ["float32", "float16"])

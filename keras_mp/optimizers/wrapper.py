@@ -40,9 +40,9 @@ _HIDDEN_FROM_SAVING = (
     "_seed_generator",
 )
 
-# The dtypes `state_dtype` takes; float16 state is kept to optimizers whose
-# slots stay within its range (it flushes Adam's squared gradients below
-# 6e-8 to zero), which is why bfloat16 is the one documented choice.
+# The dtypes `state_dtype` takes. float16 state only suits slots that stay
+# within its range (it flushes Adam's squared gradients below 6e-8 to zero);
+# bfloat16 has float32's range.
 _STATE_DTYPES = ("bfloat16", "float16", "float32")
 _HALF_DTYPES = ("bfloat16", "float16")
 
@@ -125,7 +125,8 @@ def _converted_to_variable_dtypes(variables, values, what):
             and keras.backend.is_float_dtype(target)
         ):
             conversions.setdefault((source, target), []).append(variable.path)
-            value = ops.convert_to_numpy(ops.cast(value, target))
+            # In NumPy: this may run while a TensorFlow step is traced.
+            value = value.astype(_numpy_dtype(target))
         converted.append(value)
     for (source, target), paths in conversions.items():
         lossy = any(
@@ -144,6 +145,14 @@ def _converted_to_variable_dtypes(variables, values, what):
             stacklevel=4,
         )
     return converted
+
+
+def _numpy_dtype(dtype):
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(dtype)
 
 
 # (mantissa bits, exponent bits): a conversion is exact where neither shrinks.
@@ -277,6 +286,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
                 f"{owner!r}; two wrappers cannot share one inner optimizer. "
                 "Wrap a fresh optimizer, or wrap the existing wrapper."
             )
+        _check_state_precision_target(
+            optimizer, state_dtype, master_weights, name
+        )
         if aggregate_gradients is not None and not callable(
             aggregate_gradients
         ):
@@ -547,27 +559,8 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             _master_variables={},
             _weight_decay_exclusions=None,
         )
-        if state_dtype is None and not master_weights:
-            return
-        owner = _state_precision_owner(self._inner_optimizer)
-        if owner is not None:
-            raise ValueError(
-                "`state_dtype` and `master_weights` belong to one wrapper of "
-                f"a chain, and the inner wrapper {owner.name!r} already sets "
-                f"them. Received: state_dtype={state_dtype!r}, "
-                f"master_weights={master_weights!r} on {self.name!r}. Set "
-                "them on one wrapper only."
-            )
-        base = self._base_optimizer()
-        if base.built:
-            raise ValueError(
-                "`state_dtype` and `master_weights` decide how the inner "
-                "optimizer creates its variables, so it must not be built "
-                f"yet. Received: the built optimizer {base.name!r}. Wrap a "
-                "fresh optimizer."
-            )
         if state_dtype is not None:
-            self._install_state_dtype(base)
+            self._install_state_dtype(self._base_optimizer())
 
     def _install_state_dtype(self, base):
         """Hooks the base optimizer's slot creation and slot stores.
@@ -1195,6 +1188,31 @@ def _hash32(x):
 def _shift_right(x, bits):
     """Logical right shift of int32 values."""
     return ops.bitwise_and(ops.right_shift(x, bits), (1 << (32 - bits)) - 1)
+
+
+def _check_state_precision_target(optimizer, state_dtype, master_weights, name):
+    """Refuses state precision settings the wrapped optimizer cannot take."""
+    if state_dtype is None and not master_weights:
+        return
+    owner = _state_precision_owner(optimizer)
+    if owner is not None:
+        raise ValueError(
+            "`state_dtype` and `master_weights` belong to one wrapper of a "
+            f"chain, and the inner wrapper {owner.name!r} already sets them. "
+            f"Received: state_dtype={state_dtype!r}, master_weights="
+            f"{master_weights!r} on {name or 'the outer wrapper'!r}. Set "
+            "them on one wrapper only."
+        )
+    base = optimizer
+    while _is_wrapper(base):
+        base = base.inner_optimizer
+    if base.built:
+        raise ValueError(
+            "`state_dtype` and `master_weights` decide how the inner "
+            "optimizer creates its variables, so it must not be built yet. "
+            f"Received: the built optimizer {base.name!r}. Wrap a fresh "
+            "optimizer."
+        )
 
 
 def _state_precision_owner(optimizer):
