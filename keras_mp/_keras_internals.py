@@ -27,6 +27,7 @@ __all__ = [
     "AutocastScope",
     "Functional",
     "KerasSaveable",
+    "NON_STATE_SLOT_NAMES",
     "QUANTIZATION_MODES",
     "Trainer",
     "accumulated_gradients",
@@ -46,9 +47,33 @@ __all__ = [
     "replace_layer_policy",
     "set_keras_thread_policy",
     "stored_dtype",
+    "torch_parallel_optimizer_class",
     "variable_autocasts",
     "without_autocast",
 ]
+
+
+# Names that `BaseOptimizer.build` gives the variables it creates from
+# reference variables for every optimizer (keras 3.5 - 3.15): the moving
+# average of `use_ema` and the gradient accumulators. They hold copies of
+# weights and gradients, not the update rule's state, and Keras writes them
+# with `Variable.assign`, not through the optimizer's `assign`.
+NON_STATE_SLOT_NAMES = ("average", "gradient_accumulator")
+
+
+def torch_parallel_optimizer_class():
+    """The base class of Keras's PyTorch optimizers that update in bulk.
+
+    On the torch backend `keras.optimizers.Adam(...)` (and SGD, RMSprop,
+    Adagrad, Lion, Nadam, ...) returns a subclass of
+    `keras.src.backend.torch.optimizers.torch_parallel_optimizer.
+    TorchParallelOptimizer` (keras 3.0 - 3.15), whose
+    `_backend_update_step` updates every slot with `torch._foreach_*`
+    calls instead of `update_step` and `assign`.
+    """
+    import keras.src.backend.torch.optimizers.torch_parallel_optimizer as bulk
+
+    return bulk.TorchParallelOptimizer
 
 
 def stored_dtype(variable):

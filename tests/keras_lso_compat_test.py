@@ -157,6 +157,9 @@ def test_config_holds_the_loss_scale_and_loads_keras():
         "transform_gradients",
         "aggregate_gradients",
         "track_overflow",
+        "state_dtype",
+        "stochastic_rounding",
+        "master_weights",
     }
     restored = keras_mp.LossScaleOptimizer.from_config(config)
     assert restored.name == "test_opt"

@@ -123,6 +123,17 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
             step, in two integer variables updated inside the step (no host
             round trip); `overflow_report()` reads them. Defaults to
             `False`.
+        state_dtype: Dtype of the inner optimizer's slot variables, e.g.
+            `"bfloat16"` (half of float32 Adam's state); the update still
+            computes in float32. As for `OptimizerWrapper`. Defaults to
+            `None` (the trainable variables' dtype).
+        stochastic_rounding: Whether bfloat16 state is stored with
+            stochastic rounding, as for `OptimizerWrapper`. Defaults to
+            `None` (True for bfloat16 state).
+        master_weights: Whether to keep a float32 master copy of every
+            bfloat16/float16 trainable variable, updated by the inner
+            optimizer and rounded into the variable after each applied
+            step, as for `OptimizerWrapper`. Defaults to `False`.
         **kwargs: Keras 3's `initial_scale` and `dynamic_growth_steps` and
             tf.keras's `dynamic`, so that existing configs load.
 
@@ -146,6 +157,9 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
         aggregate_gradients=None,
         name=None,
         track_overflow=False,
+        state_dtype=None,
+        stochastic_rounding=None,
+        master_weights=False,
         **kwargs,
     ):
         legacy = {
@@ -164,7 +178,8 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
                 "LossScaleOptimizer does not support arguments: "
                 f"`{'`, `'.join(kwargs)}`. It takes inner_optimizer, "
                 "loss_scale, aggregate_in_float16, transform_gradients, "
-                "aggregate_gradients and name."
+                "aggregate_gradients, name, track_overflow, state_dtype, "
+                "stochastic_rounding and master_weights."
             )
         if legacy:
             if loss_scale != "dynamic":
@@ -208,6 +223,9 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
             transform_gradients=transform_gradients,
             aggregate_gradients=aggregate_gradients,
             name=name,
+            state_dtype=state_dtype,
+            stochastic_rounding=stochastic_rounding,
+            master_weights=master_weights,
         )
         self._loss_scale = loss_scale
         self.aggregate_in_float16 = aggregate_in_float16

@@ -13,6 +13,7 @@ from keras_mp import _keras_internals
 from keras_mp import transforms as transforms_module
 from keras_mp.backend import collectives
 from keras_mp.backend import gradients as backend_gradients
+from keras_mp.backend import optimizer_state
 from keras_mp.backend import training_state
 
 # Hyperparameters that `keras.optimizers.Optimizer.__init__` stores on every
@@ -36,7 +37,14 @@ _HIDDEN_FROM_SAVING = (
     "inner_optimizer",
     "_inner_optimizer",
     "_pending_restore",
+    "_seed_generator",
 )
+
+# The dtypes `state_dtype` takes. float16 state only suits slots that stay
+# within its range (it flushes Adam's squared gradients below 6e-8 to zero);
+# bfloat16 has float32's range.
+_STATE_DTYPES = ("bfloat16", "float16", "float32")
+_HALF_DTYPES = ("bfloat16", "float16")
 
 
 class _WrapperState(_keras_internals.KerasSaveable):
@@ -94,7 +102,66 @@ def _assign_all(variables, values, what):
                 f"{tuple(variable.shape)} ({what}). Nothing was loaded or "
                 "assigned."
             )
-    training_state.assign_once(variables, values)
+    training_state.assign_once(
+        variables, _converted_to_variable_dtypes(variables, values, what)
+    )
+
+
+def _converted_to_variable_dtypes(variables, values, what):
+    """`values` in their variables' float dtypes, with a warning naming every
+    conversion: a checkpoint's arrays carry the dtype they were saved in, so
+    float32 optimizer state loads into bfloat16 state (rounded to nearest)
+    and back (exact), and neither happens silently."""
+    converted, conversions = [], {}
+    for variable, value in zip(variables, values):
+        value = np.asarray(value)
+        source = keras.backend.standardize_dtype(value.dtype)
+        target = keras.backend.standardize_dtype(
+            _keras_internals.stored_dtype(variable)
+        )
+        if (
+            source != target
+            and keras.backend.is_float_dtype(source)
+            and keras.backend.is_float_dtype(target)
+        ):
+            conversions.setdefault((source, target), []).append(variable.path)
+            # In NumPy: this may run while a TensorFlow step is traced.
+            value = value.astype(_numpy_dtype(target))
+        converted.append(value)
+    for (source, target), paths in conversions.items():
+        lossy = any(
+            a < b
+            for a, b in zip(
+                _FLOAT_BITS[target], _FLOAT_BITS.get(source, (99, 99))
+            )
+        )
+        how = "rounded to nearest" if lossy else "exactly"
+        warnings.warn(
+            f"Converted {len(paths)} value(s) from {source} to {target} "
+            f"({how}) while loading {what}: the checkpoint holds {source} "
+            f"values for {target} variables ({', '.join(paths[:3])}"
+            f"{', ...' if len(paths) > 3 else ''}). This is expected when "
+            "optimizer state saved with another `state_dtype` is loaded.",
+            stacklevel=4,
+        )
+    return converted
+
+
+def _numpy_dtype(dtype):
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(dtype)
+
+
+# (mantissa bits, exponent bits): a conversion is exact where neither shrinks.
+_FLOAT_BITS = {
+    "float16": (10, 5),
+    "bfloat16": (7, 8),
+    "float32": (23, 8),
+    "float64": (52, 11),
+}
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -133,6 +200,32 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             that replaces the default cross-replica sum of stage 4.
             Defaults to `None`.
         name: Name of the wrapper. Defaults to the class name.
+        state_dtype: Dtype of the inner optimizer's slot variables (Adam's
+            moments, SGD's momentum, RMSprop's accumulators: every variable
+            it creates from a trainable variable), `"bfloat16"`,
+            `"float16"` or `"float32"`; `None` keeps the trainable
+            variable's dtype, as Keras does. Each update still computes in
+            float32: the slot is read upcast and the result stored rounded.
+            `"bfloat16"` halves float32 Adam's 8 bytes of state per
+            parameter. Defaults to `None`.
+        stochastic_rounding: Whether bfloat16 state is stored with
+            stochastic rounding (unbiased: increments smaller than the
+            rounding step survive on average, where rounding to nearest
+            would drop them every step). The random bits come from a
+            `keras.random.SeedGenerator` whose state is an optimizer
+            variable, so runs repeat after `keras.utils.set_random_seed`.
+            `None` means True for bfloat16 state, False otherwise; only
+            bfloat16 state supports it. Defaults to `None`.
+        master_weights: Whether to keep a float32 master copy of every
+            bfloat16 or float16 trainable variable ("pure 16-bit" training,
+            e.g. under `keras_mp.Policy("bfloat16")`): the inner optimizer
+            updates the masters (so its slots follow the masters' dtype)
+            and each variable receives its master rounded to nearest, so
+            updates smaller than the variable's precision still add up.
+            The masters are optimizer variables, checkpointed after the
+            inner optimizer's. A variable assigned from outside (e.g.
+            `load_weights`) is picked up at the next step. Warns at build
+            when no trainable variable is 16-bit. Defaults to `False`.
 
     Example:
 
@@ -145,6 +238,15 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
     >>> opt.momentum = 0.5
     >>> float(opt.inner_optimizer.momentum)
     0.5
+
+    Adam's moments in bfloat16 (half the memory), updated in float32:
+
+    >>> opt = keras_mp.OptimizerWrapper(
+    ...     keras.optimizers.Adam(), state_dtype="bfloat16"
+    ... )
+    >>> opt.build([keras.Variable([1.0, 2.0])])
+    >>> [str(v.dtype) for v in opt.inner_optimizer.variables[2:]]
+    ['bfloat16', 'bfloat16']
     """
 
     def __init__(
@@ -153,8 +255,14 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         transform_gradients=None,
         aggregate_gradients=None,
         name=None,
+        state_dtype=None,
+        stochastic_rounding=None,
+        master_weights=False,
         **kwargs,
     ):
+        state_dtype, stochastic_rounding = _check_state_arguments(
+            state_dtype, stochastic_rounding, master_weights
+        )
         if "optimizer" in kwargs:
             if inner_optimizer is not None:
                 raise TypeError(
@@ -178,6 +286,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
                 f"{owner!r}; two wrappers cannot share one inner optimizer. "
                 "Wrap a fresh optimizer, or wrap the existing wrapper."
             )
+        _check_state_precision_target(
+            optimizer, state_dtype, master_weights, name
+        )
         if aggregate_gradients is not None and not callable(
             aggregate_gradients
         ):
@@ -204,6 +315,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         self._aggregate_gradients_fn = aggregate_gradients
         self._keras_mp_state = _WrapperState(self)
         self._unscaled_gradients = []
+        self._init_state_precision(
+            state_dtype, stochastic_rounding, master_weights
+        )
 
     # ----------------------------------------------------------- delegation
     @property
@@ -288,7 +402,11 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
 
     def _own_variables(self):
         """Variables this wrapper adds (not the inner optimizer's)."""
-        return self._variables[:] + self._transforms.variables
+        return (
+            self._variables[:]
+            + self._transforms.variables
+            + self._state_precision_variables
+        )
 
     def _wrapper_variables(self):
         inner = self._inner_optimizer
@@ -356,7 +474,10 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             values += inner_values
         wrapper_values = pending.get("wrapper")
         if wrapper_values:
-            variables += self._wrapper_variables()
+            wrapper_variables, wrapper_values = self._matching_state_precision(
+                self._wrapper_variables(), wrapper_values
+            )
+            variables += wrapper_variables
             values += wrapper_values
         _assign_all(variables, values, f"optimizer {self.name!r}'s checkpoint")
 
@@ -384,6 +505,13 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
 
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
         """Excludes variables from the inner optimizer's weight decay."""
+        if self._master_weights:
+            # The inner optimizer updates the masters, created at build:
+            # the request is passed on for them then.
+            self.__dict__["_weight_decay_exclusions"] = (
+                list(var_list or []),
+                var_names,
+            )
         self._inner_optimizer.exclude_from_weight_decay(
             var_list=var_list, var_names=var_names
         )
@@ -402,8 +530,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             # would have no slots for the real variables.
             return
         collectives.use_distinct_collective_keys()
+        inner_var_list = self._build_state_precision(var_list)
         if not self._inner_optimizer.built:
-            self._inner_optimizer.build(var_list)
+            self._inner_optimizer.build(inner_var_list)
         self._trainable_variables = var_list[:]
         self._trainable_variables_indices = {
             self._var_key(v): i for i, v in enumerate(var_list)
@@ -415,6 +544,252 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         self.built = True
         if self.__dict__.get("_pending_restore"):
             self._commit_restore()
+
+    # ------------------------------------------------------ state precision
+    def _init_state_precision(
+        self, state_dtype, stochastic_rounding, master_weights
+    ):
+        # Plain containers, set past Keras's attribute tracking, which
+        # would also list the variables they hold in `self._variables`.
+        self.__dict__.update(
+            _state_dtype=state_dtype,
+            _stochastic_rounding=stochastic_rounding,
+            _master_weights=master_weights,
+            _state_precision_variables=[],
+            _master_variables={},
+            _weight_decay_exclusions=None,
+        )
+        if state_dtype is not None:
+            self._install_state_dtype(self._base_optimizer())
+
+    def _install_state_dtype(self, base):
+        """Hooks the base optimizer's slot creation and slot stores.
+
+        Keras optimizers create their slots with `add_variable_from_reference`,
+        update each variable in `update_step` and store with
+        `self.assign`/`assign_add`/`assign_sub`. The hooks, set on this
+        instance only, create slots in `state_dtype`, run `update_step` for
+        a float32 variable in a float32 autocast scope (so every read of a
+        slot is upcast and the update's math is float32), and compute each
+        slot store in float32, rounding once at the end.
+        """
+        state_dtype = self._state_dtype
+        slot_ids = set()
+        create_from_reference = base.add_variable_from_reference
+        create = base.add_variable
+        # Set while `add_variable_from_reference` creates a slot, whose
+        # `add_variable` call then gets the state dtype.
+        creating_slot = []
+
+        def add_variable_from_reference(
+            reference_variable, name=None, initializer="zeros"
+        ):
+            if name in _keras_internals.NON_STATE_SLOT_NAMES or not (
+                keras.backend.is_float_dtype(reference_variable.dtype)
+            ):
+                return create_from_reference(
+                    reference_variable, name, initializer
+                )
+            creating_slot.append(True)
+            try:
+                slot = create_from_reference(
+                    reference_variable, name, initializer
+                )
+            finally:
+                creating_slot.pop()
+            slot_ids.add(id(slot))
+            return slot
+
+        def add_variable(*args, **kwargs):
+            if creating_slot:
+                kwargs["dtype"] = state_dtype
+            return create(*args, **kwargs)
+
+        base.__dict__["add_variable_from_reference"] = (
+            add_variable_from_reference
+        )
+        base.__dict__["add_variable"] = add_variable
+        # Torch's bulk updates could not store into slots of another dtype
+        # than the variable's, nor round them.
+        optimizer_state.route_updates_through_update_step(base)
+        if state_dtype not in _HALF_DTYPES:
+            # float32 slots store the float32 result as it is.
+            return
+        assign = base.assign
+        round_state = self._round_state
+
+        def store(combine):
+            def hooked(variable, value):
+                if id(variable) in slot_ids:
+                    value = round_state(combine(variable, value))
+                    target = assign
+                else:
+                    target = combine.original
+                # Stored outside the float32 scope: the backend's store reads
+                # the variable itself, not an upcast copy of it.
+                with _keras_internals.without_autocast():
+                    return target(variable, value)
+
+            return hooked
+
+        update_step = base.update_step
+
+        def hooked_update_step(gradient, variable, learning_rate):
+            if keras.backend.standardize_dtype(variable.dtype) != "float32":
+                # A 16-bit variable's update stays in its dtype, as Keras
+                # computes it; `master_weights` gives it float32 math.
+                return update_step(gradient, variable, learning_rate)
+            with _keras_internals.AutocastScope("float32"):
+                return update_step(gradient, variable, learning_rate)
+
+        base.__dict__["update_step"] = hooked_update_step
+
+        for name, combine in (
+            ("assign", lambda variable, value: ops.cast(value, "float32")),
+            (
+                "assign_add",
+                lambda variable, value: ops.add(
+                    ops.cast(variable, "float32"), ops.cast(value, "float32")
+                ),
+            ),
+            (
+                "assign_sub",
+                lambda variable, value: ops.subtract(
+                    ops.cast(variable, "float32"), ops.cast(value, "float32")
+                ),
+            ),
+        ):
+            combine.original = getattr(base, name)
+            base.__dict__[name] = store(combine)
+
+    def _round_state(self, value):
+        """A float32 `value` stored in `state_dtype`."""
+        if self._stochastic_rounding:
+            return stochastic_round_to_bfloat16(value, self._seed_generator)
+        return ops.cast(value, self._state_dtype)
+
+    def _build_state_precision(self, var_list):
+        """Creates the seed state and the masters; the inner optimizer's list.
+
+        Called by `build` before the inner optimizer is built, which then
+        builds on the masters in place of their variables.
+        """
+        if self._stochastic_rounding:
+            self._seed_generator = keras.random.SeedGenerator(
+                name="stochastic_rounding"
+            )
+            self._state_precision_variables.append(self._seed_generator.state)
+        if not self._master_weights:
+            return var_list
+        inner_var_list = []
+        with keras.name_scope(self.name, caller=self):
+            for variable in var_list:
+                dtype = keras.backend.standardize_dtype(
+                    _keras_internals.stored_dtype(variable)
+                )
+                if dtype not in _HALF_DTYPES:
+                    inner_var_list.append(variable)
+                    continue
+                master = keras.Variable(
+                    "zeros",
+                    shape=variable.shape,
+                    dtype="float32",
+                    trainable=False,
+                    name=f"{variable.path.replace('/', '_')}_master",
+                )
+                self._master_variables[id(variable)] = master
+                self._state_precision_variables.append(master)
+                inner_var_list.append(master)
+        if not self._master_variables:
+            warnings.warn(
+                f"master_weights=True on optimizer {self.name!r} has no "
+                "effect: none of its trainable variables is bfloat16 or "
+                "float16 (mixed policies already keep float32 variables, "
+                "which are their own master copy). Received variables of "
+                f"dtypes {sorted({str(v.dtype) for v in var_list})}. Drop "
+                "master_weights, or build the model under a 16-bit policy "
+                'such as keras_mp.Policy("bfloat16").',
+                stacklevel=4,
+            )
+        if self._weight_decay_exclusions is not None:
+            excluded, names = self._weight_decay_exclusions
+            self._inner_optimizer.exclude_from_weight_decay(
+                var_list=[
+                    self._master_variables.get(id(v), v) for v in excluded
+                ],
+                var_names=names,
+            )
+        return inner_var_list
+
+    def _matching_state_precision(self, variables, values):
+        """The wrapper variables and checkpoint values to assign, when the
+        checkpoint was written with other state precision settings.
+
+        The seed state of stochastic rounding and the masters come last.
+        A checkpoint without them (saved without stochastic rounding or
+        master weights) leaves them as they are: the masters start again
+        from the variables at the next step. A checkpoint with them, loaded
+        where they do not exist, has its trailing values dropped. Both warn.
+        """
+        extra = len(self._state_precision_variables)
+        if len(values) == len(variables) or not (
+            extra or _saved_state_precision(values[len(variables) :])
+        ):
+            return variables, values
+        if extra and len(values) == len(variables) - extra:
+            warnings.warn(
+                f"The checkpoint loaded into optimizer {self.name!r} holds no "
+                "stochastic rounding seed or master weights: they keep their "
+                "current values (masters follow the variables at the next "
+                "step).",
+                stacklevel=5,
+            )
+            return variables[: len(values)], values
+        if not extra and len(values) > len(variables):
+            warnings.warn(
+                f"Dropped {len(values) - len(variables)} value(s) of the "
+                f"checkpoint loaded into optimizer {self.name!r}: the "
+                "stochastic rounding seed and master weights of an optimizer "
+                "saved with state_dtype/master_weights, which this one does "
+                "not use.",
+                stacklevel=5,
+            )
+            return variables, values[: len(variables)]
+        return variables, values
+
+    def _to_master_weights(self, grads_and_vars):
+        """The pairs the inner optimizer updates: float32 gradients of the
+        masters.
+
+        A master whose rounded value is not its variable's value starts
+        again from the variable: so the masters (created as zeros, whatever
+        trace builds them) take the variables' values at the first step, and
+        after a variable is assigned from outside (`load_weights`,
+        `set_weights`), at the next one.
+        """
+        pairs = []
+        for grad, variable in grads_and_vars:
+            master = self._master_variables.get(id(variable))
+            if master is None:
+                pairs.append((grad, variable))
+                continue
+            value = variable.value
+            kept = ops.equal(ops.cast(master.value, value.dtype), value)
+            master.assign(
+                ops.where(kept, master.value, ops.cast(value, "float32"))
+            )
+            if grad is not None:
+                grad = backend_gradients.map_gradient(
+                    lambda g: ops.cast(g, "float32"), grad
+                )
+            pairs.append((grad, master))
+        return pairs
+
+    def _write_back_master_weights(self, variables):
+        for variable in variables:
+            master = self._master_variables.get(id(variable))
+            if master is not None:
+                variable.assign(ops.cast(master.value, variable.dtype))
 
     def build_wrapper(self, var_list):
         """Creates the wrapper's own variables with `self.add_variable`.
@@ -481,15 +856,21 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
 
     def apply_updates(self, grads_and_vars):
         """Stage 6: the inner optimizer updates the variables."""
+        model_variables = None
+        if self._master_weights:
+            model_variables = [v for _, v in grads_and_vars]
+            grads_and_vars = self._to_master_weights(grads_and_vars)
         inner = self._inner_optimizer
         if _is_wrapper(inner):
             inner.apply_gradients(
                 grads_and_vars, skip_gradients_aggregation=True
             )
-            return
-        grads = [g for g, _ in grads_and_vars]
-        variables = [v for _, v in grads_and_vars]
-        backend_gradients.apply_aggregated(inner, grads, variables)
+        else:
+            grads = [g for g, _ in grads_and_vars]
+            variables = [v for _, v in grads_and_vars]
+            backend_gradients.apply_aggregated(inner, grads, variables)
+        if model_variables is not None:
+            self._write_back_master_weights(model_variables)
 
     # --------------------------------------------------------- entry points
     def compute_gradients(self, loss, var_list, tape=None):
@@ -653,6 +1034,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             "transform_gradients": self._transforms.get_config()["transforms"]
             or None,
             "aggregate_gradients": None,
+            "state_dtype": self._state_dtype,
+            "stochastic_rounding": self._stochastic_rounding,
+            "master_weights": self._master_weights,
         }
         if self._aggregate_gradients_fn is not None:
             config["aggregate_gradients"] = keras.saving.serialize_keras_object(
@@ -700,6 +1084,146 @@ def transformed_loss(transform, loss, tape=None):
     return transform(loss)
 
 
+def _check_state_arguments(state_dtype, stochastic_rounding, master_weights):
+    """Validated `state_dtype` and `stochastic_rounding` (None resolved)."""
+    if state_dtype is not None:
+        try:
+            standardized = keras.backend.standardize_dtype(state_dtype)
+        except ValueError:
+            standardized = None
+        if standardized not in _STATE_DTYPES:
+            raise ValueError(
+                "`state_dtype` must be one of "
+                f"{', '.join(repr(d) for d in _STATE_DTYPES)} or None. "
+                f"Received: state_dtype={state_dtype!r}. Use "
+                "state_dtype='bfloat16' to halve float32 optimizer state."
+            )
+        state_dtype = standardized
+    if stochastic_rounding is None:
+        stochastic_rounding = state_dtype == "bfloat16"
+    elif not isinstance(stochastic_rounding, bool):
+        raise TypeError(
+            "`stochastic_rounding` must be a bool or None. Received: "
+            f"stochastic_rounding={stochastic_rounding!r}"
+        )
+    elif stochastic_rounding and state_dtype != "bfloat16":
+        raise ValueError(
+            "Stochastic rounding applies to bfloat16 optimizer state only "
+            "(float32 state is not rounded; float16 state rounds to nearest). "
+            f"Received: state_dtype={state_dtype!r}, stochastic_rounding=True. "
+            "Use state_dtype='bfloat16', or leave stochastic_rounding unset."
+        )
+    if not isinstance(master_weights, bool):
+        raise TypeError(
+            "`master_weights` must be a bool. Received: "
+            f"master_weights={master_weights!r}"
+        )
+    return state_dtype, stochastic_rounding
+
+
+def stochastic_round_to_bfloat16(value, seed):
+    """`value` rounded to bfloat16 up or down at random, without bias.
+
+    A float32 is rounded up (away from zero) with probability equal to its
+    distance from the bfloat16 below, measured in bfloat16 steps: 16 random
+    bits are added to the low half of its bit pattern, which is then cut
+    off. The expected result is `value` itself, so increments far below one
+    bfloat16 step (an EMA's `(1 - beta) * (g - m)`) still move the state on
+    average; rounding to nearest drops them every time. NaN stays NaN,
+    infinities stay infinite.
+
+    The bits come from a counter-based hash of each element's index and a
+    key drawn from `seed`: a few integer operations per element, against
+    the many of `keras.random`'s generators (Threefry, Philox), and no host
+    round trip on any backend.
+
+    Args:
+        value: A float32 tensor.
+        seed: A `keras.random.SeedGenerator`.
+
+    Returns:
+        A bfloat16 tensor of the same shape.
+    """
+    value = ops.cast(value, "float32")
+    bits = ops.view(value, "int32")
+    noise = ops.bitwise_and(_random_bits(ops.shape(value), seed), 0xFFFF)
+    # -65536 is 0xFFFF0000: the sign, exponent and bfloat16 mantissa bits.
+    # A carry out of the low half moves to the next bfloat16 value.
+    truncated = ops.view(ops.bitwise_and(bits + noise, -65536), "float32")
+    rounded = ops.where(ops.isnan(value), value, truncated)
+    return ops.cast(rounded, "bfloat16")
+
+
+def _saved_state_precision(values):
+    """Whether trailing checkpoint values look like a seed state and masters:
+    a seed state (two integers) and/or float32 arrays."""
+    values = [np.asarray(v) for v in values]
+    return bool(values) and all(
+        (np.issubdtype(v.dtype, np.integer) and v.shape == (2,))
+        or v.dtype == np.float32
+        for v in values
+    )
+
+
+def _random_bits(shape, seed_generator):
+    """32 pseudo-random bits per element (int32), from the generator's next
+    key and each element's index through the `lowbias32` integer hash (C.
+    Wellons): uniform enough for rounding noise, and cheap. int32 products
+    wrap on every backend; right shifts are made logical by masking."""
+    seed = ops.cast(seed_generator.next(), "int32")
+    key = _hash32(ops.add(ops.multiply(seed[0], -1640531527), seed[1]))
+    size = int(np.prod(shape)) if len(shape) else 1
+    index = ops.reshape(ops.arange(size, dtype="int32"), shape)
+    return _hash32(ops.add(index, key))
+
+
+def _hash32(x):
+    x = ops.bitwise_xor(x, _shift_right(x, 16))
+    x = ops.multiply(x, 0x7FEB352D)
+    x = ops.bitwise_xor(x, _shift_right(x, 15))
+    x = ops.multiply(x, -2073254261)  # 0x846CA68B as an int32
+    return ops.bitwise_xor(x, _shift_right(x, 16))
+
+
+def _shift_right(x, bits):
+    """Logical right shift of int32 values."""
+    return ops.bitwise_and(ops.right_shift(x, bits), (1 << (32 - bits)) - 1)
+
+
+def _check_state_precision_target(optimizer, state_dtype, master_weights, name):
+    """Refuses state precision settings the wrapped optimizer cannot take."""
+    if state_dtype is None and not master_weights:
+        return
+    owner = _state_precision_owner(optimizer)
+    if owner is not None:
+        raise ValueError(
+            "`state_dtype` and `master_weights` belong to one wrapper of a "
+            f"chain, and the inner wrapper {owner.name!r} already sets them. "
+            f"Received: state_dtype={state_dtype!r}, master_weights="
+            f"{master_weights!r} on {name or 'the outer wrapper'!r}. Set "
+            "them on one wrapper only."
+        )
+    base = optimizer
+    while _is_wrapper(base):
+        base = base.inner_optimizer
+    if base.built:
+        raise ValueError(
+            "`state_dtype` and `master_weights` decide how the inner "
+            "optimizer creates its variables, so it must not be built yet. "
+            f"Received: the built optimizer {base.name!r}. Wrap a fresh "
+            "optimizer."
+        )
+
+
+def _state_precision_owner(optimizer):
+    """The wrapper in `optimizer`'s chain that sets state precision, or None."""
+    while _is_wrapper(optimizer):
+        if optimizer._state_dtype is not None or optimizer._master_weights:
+            return optimizer
+        optimizer = optimizer.inner_optimizer
+    return None
+
+
 def _hyperparameter_names(optimizer):
     """The attribute names a wrapper delegates to `optimizer`."""
     names = set(optimizer.get_config()) - {"name"}
@@ -708,6 +1232,7 @@ def _hyperparameter_names(optimizer):
         # are structure, not hyperparameters; what it delegates passes on.
         names -= {"optimizer", "inner_optimizer", "transform_gradients"}
         names -= {"aggregate_gradients"}
+        names -= {"state_dtype", "stochastic_rounding", "master_weights"}
         names |= optimizer._delegated
     return frozenset(names)
 
