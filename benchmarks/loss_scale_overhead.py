@@ -74,6 +74,11 @@ def parse_args(argv=None):
         default="mixed_bfloat16",
         choices=("mixed_bfloat16", "mixed_float16", "float32"),
     )
+    parser.add_argument(
+        "--jit-compile",
+        action="store_true",
+        help="compile the TensorFlow step with XLA (JAX always uses XLA)",
+    )
     args = parser.parse_args(argv)
     for name in ("steps", "repeats", "batch_size", "hidden", "layers"):
         if getattr(args, name) < 1:
@@ -115,6 +120,9 @@ def build_model(args, variant):
     model.compile(
         optimizer=make_optimizer(variant),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        # "auto" means XLA on JAX and none on TensorFlow (Keras's default
+        # there, and on torch, which has no XLA).
+        jit_compile=True if args.jit_compile else "auto",
     )
     return model
 
@@ -204,7 +212,7 @@ def format_table(args, step_times, syncs=None):
         f"backend={keras.backend.backend()} policy={args.policy} "
         f"mlp={args.features}-{'x'.join([str(args.hidden)] * args.layers)}-"
         f"{args.classes} batch={args.batch_size} steps={args.steps} "
-        f"repeats={args.repeats}",
+        f"repeats={args.repeats} jit_compile={args.jit_compile}",
         f"{'variant':<10} {'median wall ms/step':>20} {'min wall':>9} "
         f"{'median cpu ms/step':>19}",
     ]

@@ -214,6 +214,84 @@ def update_in_place_unless_skipped(condition, update, grads_and_vars, targets):
             torch.where(condition.to(new.device), new, old, out=new)
 
 
+def all_finite(grads):
+    """Whether every value of every gradient is finite: a bool scalar tensor.
+
+    One reduction per gradient and one check of their results, instead of
+    an elementwise `isfinite` and a reduction per gradient: a gradient
+    holding an inf or a NaN has a non-finite sum (inf - inf is NaN). The
+    sums are taken in float32 at least, so float16 values that sum beyond
+    float16's range are no false alarm; only a gradient whose finite values
+    sum beyond float32's range (about 3.4e38, a scale one doubling from
+    overflowing) counts as non-finite. On PyTorch one multi-tensor kernel
+    takes each gradient's largest magnitude instead (exact, and one launch
+    for all gradients).
+
+    Args:
+        grads: A list of gradients; None entries are ignored.
+
+    Returns:
+        A bool scalar tensor, True when there is no gradient.
+    """
+    from keras import ops
+
+    values = [gradient_values(g) for g in grads if g is not None]
+    if not values:
+        return ops.convert_to_tensor(True)
+    if _backend() == "torch":
+        import torch
+
+        maxima = torch._foreach_norm(values, ord=float("inf"))
+        maxima = [m.to(torch.float32) for m in maxima]
+        return torch.all(torch.isfinite(torch.stack(maxima)))
+    sums = [
+        ops.sum(
+            v
+            if keras.backend.standardize_dtype(v.dtype) in _WIDE_FLOATS
+            else ops.cast(v, "float32")
+        )
+        for v in values
+    ]
+    return ops.all(ops.isfinite(ops.stack(sums)))
+
+
+_WIDE_FLOATS = ("float32", "float64")
+
+
+def multiply_all(grads, factor):
+    """Each gradient times the float32 scalar `factor`, in its own dtype.
+
+    None passes through; sparse gradients stay sparse. On PyTorch the dense
+    gradients of each dtype are multiplied by one multi-tensor kernel.
+    """
+    from keras import ops
+
+    if _backend() == "torch":
+        import torch
+
+        result = list(grads)
+        by_dtype = collections.defaultdict(list)
+        for i, g in enumerate(grads):
+            if g is not None:
+                by_dtype[g.dtype].append(i)
+        for dtype, indices in by_dtype.items():
+            products = torch._foreach_mul(
+                [grads[i] for i in indices], factor.to(dtype)
+            )
+            for i, product in zip(indices, products):
+                result[i] = product
+        return result
+    return [
+        None
+        if g is None
+        else map_gradient(
+            lambda values: ops.multiply(values, ops.cast(factor, values.dtype)),
+            g,
+        )
+        for g in grads
+    ]
+
+
 def gradient_values(grad):
     """The dense values of a gradient (a `tf.IndexedSlices`'s `values`)."""
     return getattr(grad, "values", grad) if _is_indexed_slices(grad) else grad

@@ -602,20 +602,13 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             )
             return
         current = [t.value for t in targets]
-
-        def applied():
-            mapping = list(zip(targets, current))
-            with keras.StatelessScope(state_mapping=mapping) as scope:
-                self._transform_and_apply(grads_and_vars)
-            return [scope.get_current_value(t) for t in targets]
-
-        def skipped():
-            return current
-
-        for target, value in zip(
-            targets, ops.cond(condition, applied, skipped)
-        ):
-            target.assign(value)
+        mapping = list(zip(targets, current))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            self._transform_and_apply(grads_and_vars)
+        for target, old in zip(targets, current):
+            target.assign(
+                ops.where(condition, scope.get_current_value(target), old)
+            )
 
     def _check_gradient_dtypes(self, grads_and_vars):
         for grad, variable in grads_and_vars:
