@@ -292,6 +292,17 @@ def multiply_all(grads, factor):
     ]
 
 
+def copies_for_update(values):
+    """`values` for an update that must not change them: copies on PyTorch.
+
+    Keras's PyTorch optimizers update the tensors they are given in place,
+    even inside a `StatelessScope`; the other backends' never do.
+    """
+    if _backend() == "torch":
+        return [value.clone() for value in values]
+    return values
+
+
 def gradient_values(grad):
     """The dense values of a gradient (a `tf.IndexedSlices`'s `values`)."""
     return getattr(grad, "values", grad) if _is_indexed_slices(grad) else grad
