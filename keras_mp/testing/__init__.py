@@ -151,7 +151,8 @@ def count_host_syncs():
     def counted(original, label, only_tensors, self, args, kwargs):
         outermost = not getattr(depth, "value", 0)
         if outermost and (
-            not only_tensors or isinstance(self, (*tensor_types, keras.Variable))
+            not only_tensors
+            or isinstance(self, (*tensor_types, keras.Variable))
         ):
             counts[label] += 1
         depth.value = getattr(depth, "value", 0) + 1
