@@ -436,7 +436,7 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
             # applied and skipped so far.
             self._track_overflow(grads_and_vars, finite_per_gradient)
         else:
-            # One reduction per gradient, checked once (see `all_finite`).
+            # One sum per gradient, checked once (see `all_finite`).
             is_finite = backend_gradients.all_finite(grads)
         if self._accumulation_steps():
             self._run_accumulation_step(grads_and_vars, is_finite)
@@ -680,7 +680,7 @@ def _claim(loss_scale, name):
 def _finite_per_gradient(grads):
     """One bool scalar per gradient that is not None: all its values finite."""
     return [
-        ops.all(ops.isfinite(backend_gradients.gradient_values(g)))
+        ops.isfinite(backend_gradients.gradient_sum(g))
         for g in grads
         if g is not None
     ]
