@@ -31,7 +31,10 @@ the skip with a Python `if` on the device's flag, keras_mp on the device:
     KERAS_BACKEND=jax python benchmarks/loss_scale_overhead.py
     KERAS_BACKEND=torch OMP_NUM_THREADS=1 python benchmarks/loss_scale_overhead.py
     KERAS_BACKEND=tensorflow python benchmarks/loss_scale_overhead.py \\
-        --steps 200 --repeats 7
+        --steps 200 --repeats 7 [--jit-compile]
+
+`--jit-compile` compiles the TensorFlow step with XLA (Keras's default on
+a CPU-only machine is no XLA; JAX always compiles with XLA).
 """
 
 # ruff: noqa: E402 (the variable below must be set before TensorFlow loads)
@@ -80,6 +83,11 @@ def parse_args(argv=None):
         help="compile the TensorFlow step with XLA (JAX always uses XLA)",
     )
     args = parser.parse_args(argv)
+    if args.jit_compile and keras.backend.backend() != "tensorflow":
+        parser.error(
+            "--jit-compile is for the TensorFlow backend (JAX always uses "
+            f"XLA). Received it with KERAS_BACKEND={keras.backend.backend()}."
+        )
     for name in ("steps", "repeats", "batch_size", "hidden", "layers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -212,7 +220,8 @@ def format_table(args, step_times, syncs=None):
         f"backend={keras.backend.backend()} policy={args.policy} "
         f"mlp={args.features}-{'x'.join([str(args.hidden)] * args.layers)}-"
         f"{args.classes} batch={args.batch_size} steps={args.steps} "
-        f"repeats={args.repeats} jit_compile={args.jit_compile}",
+        f"repeats={args.repeats} "
+        f"xla={args.jit_compile or keras.backend.backend() == 'jax'}",
         f"{'variant':<10} {'median wall ms/step':>20} {'min wall':>9} "
         f"{'median cpu ms/step':>19}",
     ]
