@@ -405,10 +405,9 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
 
     def transform_gradients(self, grads_and_vars):
         if self._unscale_in_step:
-            # Inside the applied branch of `apply_if` (see `run_step`): the
-            # multiply reaches the compiler next to the update, which fuses
-            # them under XLA.
-            # Gradients that overwrite their variable are not scaled.
+            # Part of the update that `apply_if` guards (see `run_step`), so
+            # under XLA the multiply fuses with the optimizer's elementwise
+            # update. Gradients that overwrite their variable are not scaled.
             keep = [
                 g is None or self._overwrite_variable_with_gradient(v)
                 for g, v in grads_and_vars
