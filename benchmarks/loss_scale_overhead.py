@@ -31,7 +31,10 @@ the skip with a Python `if` on the device's flag, keras_mp on the device:
     KERAS_BACKEND=jax python benchmarks/loss_scale_overhead.py
     KERAS_BACKEND=torch OMP_NUM_THREADS=1 python benchmarks/loss_scale_overhead.py
     KERAS_BACKEND=tensorflow python benchmarks/loss_scale_overhead.py \\
-        --steps 200 --repeats 7
+        --steps 200 --repeats 7 [--jit-compile]
+
+`--jit-compile` compiles the TensorFlow step with XLA (Keras's default on
+a CPU-only machine is no XLA; JAX always compiles with XLA).
 """
 
 # ruff: noqa: E402 (the variable below must be set before TensorFlow loads)
@@ -74,7 +77,17 @@ def parse_args(argv=None):
         default="mixed_bfloat16",
         choices=("mixed_bfloat16", "mixed_float16", "float32"),
     )
+    parser.add_argument(
+        "--jit-compile",
+        action="store_true",
+        help="compile the TensorFlow step with XLA (JAX always uses XLA)",
+    )
     args = parser.parse_args(argv)
+    if args.jit_compile and keras.backend.backend() != "tensorflow":
+        parser.error(
+            "--jit-compile is for the TensorFlow backend (JAX always uses "
+            f"XLA). Received it with KERAS_BACKEND={keras.backend.backend()}."
+        )
     for name in ("steps", "repeats", "batch_size", "hidden", "layers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -115,6 +128,9 @@ def build_model(args, variant):
     model.compile(
         optimizer=make_optimizer(variant),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        # "auto" means XLA on JAX and none on TensorFlow (Keras's default
+        # there, and on torch, which has no XLA).
+        jit_compile=True if args.jit_compile else "auto",
     )
     return model
 
@@ -204,7 +220,8 @@ def format_table(args, step_times, syncs=None):
         f"backend={keras.backend.backend()} policy={args.policy} "
         f"mlp={args.features}-{'x'.join([str(args.hidden)] * args.layers)}-"
         f"{args.classes} batch={args.batch_size} steps={args.steps} "
-        f"repeats={args.repeats}",
+        f"repeats={args.repeats} "
+        f"xla={args.jit_compile or keras.backend.backend() == 'jax'}",
         f"{'variant':<10} {'median wall ms/step':>20} {'min wall':>9} "
         f"{'median cpu ms/step':>19}",
     ]

@@ -84,6 +84,38 @@ def test_nonfinite_step_is_skipped_bit_for_bit_and_halves_the_scale(poison):
     assert int(to_numpy(optimizer.skipped_steps)) == 1
 
 
+@pytest.mark.parametrize(
+    "values, applied",
+    [
+        # Finite float16 values whose sum (2.4e5) is beyond float16's
+        # largest value (65504): the step applies.
+        ([6e4, 6e4, 6e4, 6e4], True),
+        # One inf, one -inf: their sum is NaN, never a finite zero.
+        ([np.inf, -np.inf, 1.0, 1.0], False),
+        ([1.0, np.nan, 1.0, 1.0], False),
+    ],
+)
+def test_one_finite_check_for_all_gradients_is_exact_for_float16(
+    values, applied
+):
+    # float16 variables get float16 gradients; the second one is finite.
+    variables = [
+        keras.Variable(np.zeros(4), dtype="float16", name="a"),
+        keras.Variable(np.zeros(2), dtype="float16", name="b"),
+    ]
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0), loss_scale=keras_mp.DynamicLossScale(1.0)
+    )
+    grads = [
+        ops.convert_to_tensor(np.array(values, "float16")),
+        ops.convert_to_tensor(np.ones(2, "float16")),
+    ]
+    _apply(optimizer, grads, variables)
+    expected = -np.array(values, "float16") if applied else np.zeros(4)
+    assert_bitwise_equal(variables[0], expected.astype("float16"))
+    assert int(to_numpy(optimizer.skipped_steps)) == int(not applied)
+
+
 def test_scale_follows_the_algorithm_step_by_step_with_injected_overflows():
     loss_scale = keras_mp.DynamicLossScale(
         initial_loss_scale=4.0,

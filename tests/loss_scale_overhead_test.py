@@ -52,3 +52,26 @@ def test_benchmark_prints_step_times_and_ratios_of_the_three_variants(capsys):
 def test_benchmark_refuses_zero_steps():
     with pytest.raises(SystemExit):
         _load_benchmark().parse_args(["--steps=0"])
+
+
+@pytest.mark.backends("tensorflow")
+def test_benchmark_compiles_the_tensorflow_step_with_xla_on_request(capsys):
+    _load_benchmark().main(
+        [
+            "--steps=1",
+            "--repeats=1",
+            "--warmup-steps=1",
+            "--batch-size=4",
+            "--features=8",
+            "--hidden=8",
+            "--layers=1",
+            "--jit-compile",
+        ]
+    )
+    assert "xla=True" in capsys.readouterr().out.splitlines()[0]
+
+
+@pytest.mark.backends("jax", "torch")
+def test_benchmark_refuses_jit_compile_off_tensorflow():
+    with pytest.raises(SystemExit):
+        _load_benchmark().parse_args(["--jit-compile"])

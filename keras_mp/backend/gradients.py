@@ -214,6 +214,94 @@ def update_in_place_unless_skipped(condition, update, grads_and_vars, targets):
             torch.where(condition.to(new.device), new, old, out=new)
 
 
+def all_finite(grads):
+    """Whether every value of every gradient is finite: a bool scalar tensor.
+
+    One reduction per gradient and one check of their results, instead of
+    an elementwise `isfinite` and a reduction per gradient (on PyTorch's
+    CPU kernels the sum is also 15x faster than `all(isfinite(g))`): a
+    gradient holding an inf or a NaN has a non-finite sum (inf - inf is
+    NaN). See `gradient_sum` for the one approximation.
+
+    Args:
+        grads: A list of gradients; None entries are ignored.
+
+    Returns:
+        A bool scalar tensor, True when there is no gradient.
+    """
+    from keras import ops
+
+    sums = [gradient_sum(g) for g in grads if g is not None]
+    if not sums:
+        return ops.convert_to_tensor(True)
+    return ops.all(ops.isfinite(ops.stack(sums)))
+
+
+def gradient_sum(grad):
+    """The sum of a gradient's values, in float32 at least.
+
+    Finite exactly when every value is, with one exception: values that
+    are all finite but sum beyond float32's range (about 3.4e38, a loss
+    scale one doubling from overflowing) give a non-finite sum too. float16
+    values are summed in float32, so that finite ones summing beyond
+    float16's range (65504) are no false alarm.
+    """
+    from keras import ops
+
+    values = gradient_values(grad)
+    if keras.backend.standardize_dtype(values.dtype) not in _WIDE_FLOATS:
+        values = ops.cast(values, "float32")
+    return ops.sum(values)
+
+
+_WIDE_FLOATS = ("float32", "float64")
+
+
+def multiply_all(grads, factor):
+    """Each gradient times the float32 scalar `factor`, in its own dtype.
+
+    None passes through; sparse gradients stay sparse. On PyTorch the dense
+    gradients of each dtype are multiplied by one multi-tensor kernel.
+    """
+    from keras import ops
+
+    if _backend() == "torch":
+        import torch
+
+        result = list(grads)
+        by_dtype = collections.defaultdict(list)
+        for i, g in enumerate(grads):
+            if g is not None:
+                by_dtype[g.dtype].append(i)
+        for dtype, indices in by_dtype.items():
+            products = torch._foreach_mul(
+                [grads[i] for i in indices], factor.to(dtype)
+            )
+            for i, product in zip(indices, products):
+                result[i] = product
+        return result
+    return [
+        None
+        if g is None
+        else map_gradient(
+            lambda values: ops.multiply(values, ops.cast(factor, values.dtype)),
+            g,
+        )
+        for g in grads
+    ]
+
+
+def copies_for_update(values):
+    """`values` for an update that must not change them: copies on PyTorch.
+
+    Keras's PyTorch optimizers update the tensors they are given in place,
+    even inside a `StatelessScope`; the other backends' never do.
+    """
+    if _backend() == "torch":
+        return [value.clone() for value in values]
+    return values
+
+
 def gradient_values(grad):
     """The dense values of a gradient (a `tf.IndexedSlices`'s `values`)."""
     return getattr(grad, "values", grad) if _is_indexed_slices(grad) else grad

@@ -337,10 +337,9 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
         divide again, whatever is done to the gradients in between
         (clipping, scaling, casting): the call is recorded, not the tensors.
         """
-        reciprocal = self._reciprocal_scale()
-        unscaled = [
-            None if g is None else self._unscale(g, reciprocal) for g in grads
-        ]
+        unscaled = backend_gradients.multiply_all(
+            list(grads), self._reciprocal_scale()
+        )
         self._step_record.gradients_unscaled = True
         return unscaled
 
@@ -349,14 +348,6 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
         # did): cheaper than a divide per gradient on CPU, and exact for the
         # powers of two a dynamic scale takes.
         return ops.divide(1.0, self._loss_scale())
-
-    def _unscale(self, grad, reciprocal):
-        return backend_gradients.map_gradient(
-            lambda values: ops.multiply(
-                values, ops.cast(reciprocal, values.dtype)
-            ),
-            grad,
-        )
 
     def _gradients_need_unscaling(self):
         """Whether the gradients now given to `apply_gradients` are scaled.
@@ -432,15 +423,20 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
 
     def transform_gradients(self, grads_and_vars):
         if self._unscale_in_step:
-            reciprocal = self._reciprocal_scale()
-            grads_and_vars = [
-                (
-                    g
-                    if g is None or self._overwrite_variable_with_gradient(v)
-                    else self._unscale(g, reciprocal),
-                    v,
-                )
+            # Part of the update that `apply_if` guards (see `run_step`), so
+            # under XLA the multiply fuses with the optimizer's elementwise
+            # update. Gradients that overwrite their variable are not scaled.
+            keep = [
+                g is None or self._overwrite_variable_with_gradient(v)
                 for g, v in grads_and_vars
+            ]
+            unscaled = backend_gradients.multiply_all(
+                [None if k else g for k, (g, _) in zip(keep, grads_and_vars)],
+                self._reciprocal_scale(),
+            )
+            grads_and_vars = [
+                (g if k else u, v)
+                for k, u, (g, v) in zip(keep, unscaled, grads_and_vars)
             ]
         return super().transform_gradients(grads_and_vars)
 
@@ -449,14 +445,16 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
             # A fixed scale never skips (RFC 293).
             super().run_step(grads_and_vars)
             return
-        finite_per_gradient = _finite_per_gradient(
-            [g for g, _ in grads_and_vars]
-        )
-        is_finite = _all_of(finite_per_gradient)
+        grads = [g for g, _ in grads_and_vars]
         if self.track_overflow:
+            finite_per_gradient = _finite_per_gradient(grads)
+            is_finite = _all_of(finite_per_gradient)
             # Before the update: the step number is the count of steps
             # applied and skipped so far.
             self._track_overflow(grads_and_vars, finite_per_gradient)
+        else:
+            # One sum per gradient, checked once (see `all_finite`).
+            is_finite = backend_gradients.all_finite(grads)
         if self._accumulation_steps():
             self._run_accumulation_step(grads_and_vars, is_finite)
             return
@@ -699,7 +697,7 @@ def _claim(loss_scale, name):
 def _finite_per_gradient(grads):
     """One bool scalar per gradient that is not None: all its values finite."""
     return [
-        ops.all(ops.isfinite(backend_gradients.gradient_values(g)))
+        ops.isfinite(backend_gradients.gradient_sum(g))
         for g in grads
         if g is not None
     ]

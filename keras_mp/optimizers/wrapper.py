@@ -955,13 +955,15 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         """Runs stages 5-6 only where the scalar bool `condition` holds.
 
         On a skipped step every model and optimizer variable keeps its exact
-        value. Inside TensorFlow graphs the branches update variables in
-        place. On PyTorch the update runs in place and each variable is then
-        selected between its new and its saved value on the device, so the
-        condition never becomes a Python bool (no host sync). Elsewhere (JAX,
-        and any stateless scope) the applied branch runs in a stateless
-        scope and its results are selected, so this also works in `jax.jit`
-        and in `stateless_apply`.
+        value, and the condition never becomes a Python bool (no host sync).
+        Inside TensorFlow graphs the update runs in a `tf.cond` branch. On
+        PyTorch the update runs in place and each variable is then selected
+        between its new and its saved value on the device. Elsewhere (JAX,
+        and any stateless scope) the update runs in a stateless scope and
+        each variable is assigned `where(condition, new, old)`: under
+        `jax.jit` the select fuses with the update's last elementwise op,
+        where a `cond` would keep the compiler from fusing across it. This
+        also works in `stateless_apply`.
         """
         if keras.backend.backend() == "tensorflow":
             # The update's inputs go in as an argument, not in a closure:
@@ -983,20 +985,15 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             )
             return
         current = [t.value for t in targets]
-
-        def applied():
-            mapping = list(zip(targets, current))
-            with keras.StatelessScope(state_mapping=mapping) as scope:
-                self._transform_and_apply(grads_and_vars)
-            return [scope.get_current_value(t) for t in targets]
-
-        def skipped():
-            return current
-
-        for target, value in zip(
-            targets, ops.cond(condition, applied, skipped)
-        ):
-            target.assign(value)
+        mapping = list(
+            zip(targets, backend_gradients.copies_for_update(current))
+        )
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            self._transform_and_apply(grads_and_vars)
+        for target, old in zip(targets, current):
+            target.assign(
+                ops.where(condition, scope.get_current_value(target), old)
+            )
 
     def _check_gradient_dtypes(self, grads_and_vars):
         for grad, variable in grads_and_vars:

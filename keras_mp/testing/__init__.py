@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 
@@ -79,40 +80,112 @@ _TORCH_HOST_CONVERSIONS = (
 
 @contextlib.contextmanager
 def count_host_syncs():
-    """Counts tensor-to-host conversions (host syncs) on the torch backend.
+    """Counts tensor-to-host conversions (host syncs) on the active backend.
 
-    Inside the context, every `torch.Tensor` conversion that would make a
-    GPU step wait for the host (`item()`, `bool(t)`, `tolist()`, `numpy()`,
-    `cpu()`, `int(t)`, `float(t)`, `t.__index__()`) is counted, on any
-    device, so the count taken on a CPU is the one a GPU would see.
+    A conversion of a tensor to a Python or NumPy value makes the host wait
+    for the device to finish the work queued before it. Inside the context
+    every such conversion is counted, on any device, so the count taken on
+    a CPU is the one a GPU would see:
+
+    - torch: the `torch.Tensor` methods `item()`, `bool(t)`, `tolist()`,
+      `numpy()`, `cpu()`, `int(t)`, `float(t)`, `t.__index__()`;
+    - TensorFlow: an eager tensor's Python-level read into NumPy
+      (`numpy()`, `bool(t)`, `float(t)`, `int(t)`), counted as `"numpy"`;
+    - JAX: a `jax.Array`'s (`bool(x)`, `x.item()`, `float(x)`, ... all
+      go through its `_value`), counted as `"_value"`;
+    - every backend: `np.asarray` and `np.array` of a tensor or a Keras
+      variable (`keras.ops.convert_to_numpy` included), counted as
+      `"numpy.asarray"` and `"numpy.array"`: NumPy reads CPU tensors
+      through the buffer protocol, which no Python method sees.
+
+    Work inside a compiled step (a `tf.function`, `jax.jit`) cannot convert
+    a tensor to a Python value at all; what this counts is the host code
+    between and around compiled steps, and every eager torch step.
 
     Yields:
         A `collections.Counter` of the method names called, filled in as
         the context runs.
     """
-    import torch
+    import keras
 
+    backend = keras.backend.backend()
     counts = collections.Counter()
-    originals = {
-        name: getattr(torch.Tensor, name) for name in _TORCH_HOST_CONVERSIONS
-    }
+    if backend == "torch":
+        import torch
 
-    def counting(name):
-        original = originals[name]
+        owner = torch.Tensor
+        names = [(name, name) for name in _TORCH_HOST_CONVERSIONS]
+        tensor_types = (torch.Tensor,)
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        eager_tensor = type(tf.constant(0))
+        owner = _defining_class(eager_tensor, "_numpy")
+        names = [("_numpy", "numpy")]
+        tensor_types = (eager_tensor, tf.Variable)
+    elif backend == "jax":
+        import jax.numpy as jnp
+
+        owner = type(jnp.zeros(()))
+        names = [("_value", "_value")]
+        tensor_types = (owner,)
+    else:
+        raise ValueError(
+            "count_host_syncs supports the torch, tensorflow and jax "
+            f"backends. Received: backend={backend!r}."
+        )
+    # NumPy reads CPU tensors through the buffer protocol, past every
+    # Python method; its entry points are counted for tensor arguments.
+    patches = [
+        (owner, name, getattr(owner, name), label, False)
+        for name, label in names
+    ]
+    patches += [
+        (np, name, getattr(np, name), f"numpy.{name}", True)
+        for name in ("asarray", "array")
+    ]
+    # A conversion that goes through several counted entry points (NumPy,
+    # then the tensor's own method) counts once.
+    depth = threading.local()
+
+    def counted(original, label, only_tensors, self, args, kwargs):
+        outermost = not getattr(depth, "value", 0)
+        if outermost and (
+            not only_tensors
+            or isinstance(self, (*tensor_types, keras.Variable))
+        ):
+            counts[label] += 1
+        depth.value = getattr(depth, "value", 0) + 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            depth.value -= 1
+
+    def counting(original, label, only_tensors):
+        if isinstance(original, property):
+            return property(
+                lambda self: counted(
+                    original.fget, label, only_tensors, self, (), {}
+                )
+            )
 
         def method(self, *args, **kwargs):
-            counts[name] += 1
-            return original(self, *args, **kwargs)
+            return counted(original, label, only_tensors, self, args, kwargs)
 
         return method
 
-    for name in _TORCH_HOST_CONVERSIONS:
-        setattr(torch.Tensor, name, counting(name))
+    for target, name, original, label, only_tensors in patches:
+        setattr(target, name, counting(original, label, only_tensors))
     try:
         yield counts
     finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
+        for target, name, original, _, _ in patches:
+            setattr(target, name, original)
+
+
+def _defining_class(cls, name):
+    """The class of `cls`'s MRO whose own namespace defines `name`."""
+    return next(c for c in cls.__mro__ if name in c.__dict__)
 
 
 def run_python(code, env=None, timeout=600):

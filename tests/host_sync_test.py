@@ -1,0 +1,114 @@
+"""keras_mp's loss scaling adds no host round trip to a `fit` step.
+
+`keras_mp.testing.count_host_syncs` counts every tensor-to-host conversion
+(the reads that make the host wait for the device). Plain Keras and keras_mp
+train the same model for N and then 2N steps; the conversions per step
+(the count of 2N steps minus the count of N steps, over N) must be the same
+for both, whatever the skip decisions were (Keras's own loop reads a few
+values per step on some backends; keras_mp must add none). What keras_mp
+adds once per epoch (the `LossScaleLogger` reading the scale) is allowed.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+from keras_mp.testing import count_host_syncs
+from keras_mp.testing import to_numpy
+
+STEPS = 3
+BATCH = 4
+
+
+def _model(optimizer):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(1, dtype="float32"),
+        ]
+    )
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+def _data(steps, overflow_at=None):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(steps * BATCH, 4)).astype("float32")
+    y = rng.normal(size=(steps * BATCH, 1)).astype("float32")
+    if overflow_at is not None:
+        # float16's largest value is 65504: this batch's gradients overflow.
+        x[overflow_at * BATCH] = 6e4
+    return x, y
+
+
+def _syncs(model, steps, overflow_at=None):
+    x, y = _data(steps, overflow_at)
+    with count_host_syncs() as counts:
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    return sum(counts.values()), dict(counts)
+
+
+def _per_step_syncs(model):
+    """Host syncs of 2N steps minus those of N steps, with a warm model."""
+    model.fit(*_data(2), batch_size=BATCH, epochs=1, verbose=0)
+    few, few_counts = _syncs(model, STEPS, overflow_at=1)
+    many, many_counts = _syncs(model, 2 * STEPS, overflow_at=1)
+    return many - few, (few_counts, many_counts)
+
+
+def test_loss_scaled_fit_step_makes_no_host_sync_beyond_plain_keras():
+    keras_mp.set_global_policy("mixed_float16")
+    scaled = _model(keras.optimizers.SGD(0.01))
+    assert isinstance(scaled.optimizer, keras_mp.LossScaleOptimizer)
+    scaled_extra, scaled_counts = _per_step_syncs(scaled)
+    keras_mp.set_global_policy(keras_mp.Policy("mixed_float16", None))
+    plain = _model(keras.optimizers.SGD(0.01))
+    assert not isinstance(plain.optimizer, keras.optimizers.LossScaleOptimizer)
+    plain_extra, plain_counts = _per_step_syncs(plain)
+    assert scaled_extra == plain_extra, (scaled_counts, plain_counts)
+    # The injected overflows were skipped on the device: one per `fit`.
+    assert int(to_numpy(scaled.optimizer.skipped_steps)) == 2
+    if keras.backend.backend() == "jax":
+        assert scaled.jit_compile  # One jitted step: no branch on the host.
+    elif keras.backend.backend() == "tensorflow":
+        assert not scaled.run_eagerly  # One tf.function step.
+
+
+@pytest.mark.backends("torch")
+def test_torch_eager_loss_scaled_step_converts_no_tensor_to_a_host_value():
+    # On torch `fit` runs each step eagerly: every conversion would be a
+    # round trip, so the optimizer's own count is checked to be zero.
+    keras_mp.set_global_policy("mixed_float16")
+    model = _model(keras.optimizers.Adam(0.01))
+    model.fit(*_data(2), batch_size=BATCH, epochs=1, verbose=0)
+    optimizer = model.optimizer
+    apply = optimizer.apply
+    counts = []
+
+    def counting_apply(*args, **kwargs):
+        with count_host_syncs() as syncs:
+            apply(*args, **kwargs)
+        counts.append(sum(syncs.values()))
+
+    optimizer.apply = counting_apply
+    try:
+        model.fit(*_data(STEPS, 1), batch_size=BATCH, epochs=1, verbose=0)
+    finally:
+        del optimizer.apply
+    assert counts == [0] * STEPS
+    assert int(to_numpy(optimizer.skipped_steps)) == 1
+
+
+def test_count_host_syncs_sees_each_way_a_tensor_reaches_the_host():
+    x = keras.ops.ones((3,))
+    with count_host_syncs() as counts:
+        bool(keras.ops.all(x > 0))
+        float(keras.ops.sum(x))
+        np.asarray(x)
+        keras.ops.convert_to_numpy(keras.Variable(1.0).value)
+        np.asarray([1.0, 2.0])  # not a tensor
+        keras.ops.add(x, 1.0)  # stays on the device
+    assert sum(counts.values()) == 4, dict(counts)
