@@ -295,9 +295,9 @@ def state_demo(mixed, data, epochs, steps):
 # ## 4. Pure bfloat16 weights, with and without master weights
 #
 # `Policy("bfloat16")` keeps the variables themselves in bfloat16 (2 bytes
-# a weight). bfloat16 has 8 bits of precision: an update smaller than half
-# a weight's rounding step (1e-3 on a weight of 0.5, 2e-3 on a
-# LayerNormalization scale of 1) is lost. Early in training Adam's steps are
+# a weight). bfloat16 keeps 8 significant bits: next to a LayerNormalization
+# scale of 1 its values are 1/256 to 1/128 apart, so an update below about
+# 0.002 is rounded away, every time. Early in training Adam's steps are
 # large enough; as the learning rate decays they are not, and the weights
 # freeze. `master_weights=True` keeps a float32 copy of each weight inside
 # the optimizer, applies the update there and writes the rounded value
