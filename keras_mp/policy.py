@@ -372,7 +372,9 @@ def _checked(policy):
             f"{default.name} too, so small weight updates round away and "
             "training often stalls. Use "
             f"'mixed_{default.name}' instead: {default.name} compute with "
-            "float32 variables.",
+            "float32 variables; or, to keep 16-bit variables, an optimizer "
+            "with float32 master copies: `keras_mp.OptimizerWrapper("
+            "optimizer, master_weights=True)`.",
             UserWarning,
             stacklevel=3,
         )

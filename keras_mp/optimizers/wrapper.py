@@ -204,8 +204,13 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             moments, SGD's momentum, RMSprop's accumulators: every variable
             it creates from a trainable variable), `"bfloat16"`,
             `"float16"` or `"float32"`; `None` keeps the trainable
-            variable's dtype, as Keras does. Each update still computes in
-            float32: the slot is read upcast and the result stored rounded.
+            variable's dtype, as Keras does. For float32 (or masters')
+            variables each update still computes in float32: the slot is
+            read upcast and the result stored rounded. For bfloat16 or
+            float16 variables without `master_weights`, Keras's update
+            math runs in the variable's dtype (Adam's `beta_2=0.999`
+            rounds to 1.0 in bfloat16 and the weights never move): use
+            `master_weights=True` there.
             `"bfloat16"` halves float32 Adam's 8 bytes of state per
             parameter. Defaults to `None`.
         stochastic_rounding: Whether bfloat16 state is stored with
