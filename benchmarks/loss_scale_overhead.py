@@ -5,7 +5,18 @@ weights, on the backend named by KERAS_BACKEND:
 
 - plain: the inner optimizer (Adam) alone, no loss scaling;
 - keras: `keras.optimizers.LossScaleOptimizer(Adam)`;
-- keras_mp: `keras_mp.LossScaleOptimizer(Adam)`.
+- keras_mp: `keras_mp.LossScaleOptimizer(Adam)`;
+- barrier (under XLA only: JAX, or TensorFlow with `--jit-compile`): the
+  inner optimizer alone, its update made to wait for every gradient (an XLA
+  optimization barrier over all of them), and nothing else.
+
+The barrier variant is the floor of any skip that keeps weights and slots
+bit for bit: the decision depends on every gradient, so no variable may be
+updated before the last gradient is computed and checked, while a plain
+step updates each variable as soon as its own gradient exists (still in
+cache, overlapping the rest of the backward pass). keras_mp/barrier is
+what keras_mp adds over that floor (the finite check, the conditional, the
+scale update); barrier/plain is what the floor itself costs.
 
 Both wrappers get the same explicit dynamic loss scale (2**15, growth every
 2000 steps). The policy defaults to mixed_bfloat16 because float16 matmuls
@@ -54,8 +65,13 @@ import numpy as np
 import keras_mp
 from keras_mp.testing import count_host_syncs
 
-VARIANTS = ("plain", "keras", "keras_mp")
-RATIOS = (("keras_mp", "plain"), ("keras_mp", "keras"), ("keras", "plain"))
+BASE_VARIANTS = ("plain", "keras", "keras_mp")
+BASE_RATIOS = (
+    ("keras_mp", "plain"),
+    ("keras_mp", "keras"),
+    ("keras", "plain"),
+)
+BARRIER_RATIOS = (("keras_mp", "barrier"), ("barrier", "plain"))
 INITIAL_SCALE = 2.0**15
 GROWTH_STEPS = 2000
 
@@ -94,7 +110,45 @@ def parse_args(argv=None):
     return args
 
 
+def variants(args):
+    """The variants this backend runs: `barrier` needs XLA."""
+    if uses_xla(args):
+        return BASE_VARIANTS + ("barrier",)
+    return BASE_VARIANTS
+
+
+def ratios(args):
+    if uses_xla(args):
+        return BASE_RATIOS + BARRIER_RATIOS
+    return BASE_RATIOS
+
+
+def uses_xla(args):
+    backend = keras.backend.backend()
+    return backend == "jax" or (backend == "tensorflow" and args.jit_compile)
+
+
+class BarrierAdam(keras.optimizers.Adam):
+    """Adam whose update starts only once every gradient is computed."""
+
+    def apply(self, grads, trainable_variables=None):
+        return super().apply(optimization_barrier(grads), trainable_variables)
+
+
+def optimization_barrier(grads):
+    """`grads`, each available only once all of them are (XLA only)."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return list(jax.lax.optimization_barrier(list(grads)))
+    from tensorflow.compiler.tf2xla.python import xla
+
+    return list(xla.optimization_barrier(*grads))
+
+
 def make_optimizer(variant):
+    if variant == "barrier":
+        return BarrierAdam(1e-3)
     inner = keras.optimizers.Adam(1e-3)
     if variant == "plain":
         return inner
@@ -182,7 +236,8 @@ def run(args):
     """
     # No policy loss scale: `compile` must leave the plain variant unwrapped.
     keras_mp.set_global_policy(keras_mp.Policy(args.policy, loss_scale=None))
-    models = {variant: build_model(args, variant) for variant in VARIANTS}
+    names = variants(args)
+    models = {variant: build_model(args, variant) for variant in names}
     warmup = make_data(args, max(args.warmup_steps, 1))
     timed = make_data(args, args.steps)
     for model in models.values():
@@ -193,10 +248,10 @@ def run(args):
             variant: optimizer_host_syncs(model, warmup, args.batch_size)
             for variant, model in models.items()
         }
-    step_times = {variant: [] for variant in VARIANTS}
+    step_times = {variant: [] for variant in names}
     for repeat in range(args.repeats):
-        shift = repeat % len(VARIANTS)
-        for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+        shift = repeat % len(names)
+        for variant in names[shift:] + names[:shift]:
             wall, cpu = fit_seconds(models[variant], timed, args.batch_size)
             step_times[variant].append((wall / args.steps, cpu / args.steps))
     for variant in ("keras", "keras_mp"):
@@ -214,8 +269,9 @@ def format_table(args, step_times, syncs=None):
     def median(variant, column):
         return statistics.median(t[column] for t in step_times[variant])
 
-    wall = {v: median(v, 0) for v in VARIANTS}
-    cpu = {v: median(v, 1) for v in VARIANTS}
+    names = list(step_times)
+    wall = {v: median(v, 0) for v in names}
+    cpu = {v: median(v, 1) for v in names}
     lines = [
         f"backend={keras.backend.backend()} policy={args.policy} "
         f"mlp={args.features}-{'x'.join([str(args.hidden)] * args.layers)}-"
@@ -225,7 +281,7 @@ def format_table(args, step_times, syncs=None):
         f"{'variant':<10} {'median wall ms/step':>20} {'min wall':>9} "
         f"{'median cpu ms/step':>19}",
     ]
-    for variant in VARIANTS:
+    for variant in names:
         fastest = min(t[0] for t in step_times[variant])
         lines.append(
             f"{variant:<10} {wall[variant] * 1e3:>20.3f} {fastest * 1e3:>9.3f} "
@@ -234,7 +290,7 @@ def format_table(args, step_times, syncs=None):
     lines.append(
         f"{'ratio':<15} {'wall':>7} {'paired':>7} {'cpu':>7} {'paired':>7}"
     )
-    for numerator, denominator in RATIOS:
+    for numerator, denominator in ratios(args):
         figures = []
         for column, medians in ((0, wall), (1, cpu)):
             figures.append(medians[numerator] / medians[denominator])
@@ -252,7 +308,7 @@ def format_table(args, step_times, syncs=None):
         )
     if syncs is not None:
         lines.append("host syncs per optimizer step (torch)")
-        for variant in VARIANTS:
+        for variant in names:
             lines.append(f"{variant + '-syncs':<15} {syncs[variant]:>7.2f}")
     return "\n".join(lines)
 

@@ -4,6 +4,7 @@ import importlib.util
 import pathlib
 
 import keras
+import numpy as np
 import pytest
 
 BENCHMARK = (
@@ -47,6 +48,35 @@ def test_benchmark_prints_step_times_and_ratios_of_the_three_variants(capsys):
         assert float(rows["keras-syncs"][0]) > 0.0
     else:
         assert "keras_mp-syncs" not in rows
+    # The barrier floor needs XLA: JAX always, TensorFlow on request.
+    if keras.backend.backend() == "jax":
+        assert all(float(figure) > 0 for figure in rows["barrier"])
+        for ratio in ("keras_mp/barrier", "barrier/plain"):
+            assert len(rows[ratio]) == 4
+    else:
+        assert "barrier" not in rows and "keras_mp/barrier" not in rows
+
+
+@pytest.mark.backends("jax", "tensorflow")
+def test_barrier_variant_trains_exactly_as_the_plain_step():
+    # The floor variant must do the plain step's work, only later: the
+    # barrier orders the update after every gradient and changes no value.
+    benchmark = _load_benchmark()
+    args = benchmark.parse_args(
+        ["--batch-size=4", "--features=8", "--hidden=8", "--layers=2"]
+        + (["--jit-compile"] if keras.backend.backend() == "tensorflow" else [])
+    )
+    x, y = benchmark.make_data(args, 3)
+    weights = {}
+    for variant in ("plain", "barrier"):
+        model = benchmark.build_model(args, variant)
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        weights[variant] = model.get_weights()
+    assert isinstance(
+        benchmark.make_optimizer("barrier"), benchmark.BarrierAdam
+    )
+    for plain, barrier in zip(weights["plain"], weights["barrier"]):
+        np.testing.assert_array_equal(plain, barrier)
 
 
 def test_benchmark_refuses_zero_steps():
@@ -68,7 +98,11 @@ def test_benchmark_compiles_the_tensorflow_step_with_xla_on_request(capsys):
             "--jit-compile",
         ]
     )
-    assert "xla=True" in capsys.readouterr().out.splitlines()[0]
+    lines = capsys.readouterr().out.splitlines()
+    assert "xla=True" in lines[0]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[2:]}
+    assert all(float(figure) > 0 for figure in rows["barrier"])
+    assert len(rows["keras_mp/barrier"]) == 4
 
 
 @pytest.mark.backends("jax", "torch")
