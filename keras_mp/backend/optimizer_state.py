@@ -75,6 +75,12 @@ class FusedStateUpdate:
     - the update of the variable reads the rounded slot, as `update_step`
       does when it reads the slot variable back.
 
+    Weights and slots come out bit for bit as on the per-variable path,
+    NaNs included, with one exception: once a NaN reaches float16 state
+    (bfloat16 stores every NaN alike), its payload bits may differ, as
+    PyTorch's vector and scalar loops give NaNs different payloads and a
+    lane's place in a batch is not its place in its variable.
+
     It declines (returns False, and the per-variable path runs) for any
     other optimizer class, an `update_step` replaced on the instance, a
     variable that is not float32 (16-bit variables keep Keras's 16-bit
@@ -130,9 +136,10 @@ class FusedStateUpdate:
             slots = []
             for variable in variables:
                 index = variable_index(variable)
-                slots.append(
-                    [slot_list[index].value for slot_list in slot_lists]
-                )
+                variable_slots = [slot_list[index] for slot_list in slot_lists]
+                if any(slot is None for slot in variable_slots):
+                    return False
+                slots.append([slot.value for slot in variable_slots])
         for tensor, variable_slots in zip(tensors, slots):
             if tensor.dtype != torch.float32 or not tensor.is_contiguous():
                 return False
