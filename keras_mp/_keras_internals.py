@@ -47,6 +47,7 @@ __all__ = [
     "replace_layer_policy",
     "set_keras_thread_policy",
     "stored_dtype",
+    "torch_builtin_update_state",
     "torch_parallel_optimizer_class",
     "variable_autocasts",
     "without_autocast",
@@ -74,6 +75,49 @@ def torch_parallel_optimizer_class():
     import keras.src.backend.torch.optimizers.torch_parallel_optimizer as bulk
 
     return bulk.TorchParallelOptimizer
+
+
+def torch_builtin_update_state(optimizer):
+    """The update rule and slots of Keras's PyTorch Adam, AdamW, SGD and
+    RMSprop, or None for any other optimizer.
+
+    Returns `(kind, slots, variable_index)`: `kind` is "adam" (AdamW adds
+    only weight decay, applied before the update), "sgd" or "rmsprop";
+    `slots` the lists of slot variables in the order `update_step` stores
+    them (keras 3.0 - 3.15: Adam `_momentums`, `_velocities`, with amsgrad
+    `_velocity_hats`; SGD `momentums` when `momentum != 0`; RMSprop
+    `_velocities`, `_average_gradients` when centered, `_momentums` when
+    `momentum > 0`); `variable_index(variable)` the index of a variable's
+    slots in those lists (`_get_variable_index`). Only the exact classes
+    `keras.optimizers.*` returns on PyTorch qualify: a subclass may change
+    the update.
+    """
+    import keras.src.backend.torch.optimizers.torch_adam as torch_adam
+    import keras.src.backend.torch.optimizers.torch_adamw as torch_adamw
+    import keras.src.backend.torch.optimizers.torch_rmsprop as torch_rmsprop
+    import keras.src.backend.torch.optimizers.torch_sgd as torch_sgd
+
+    kind = {
+        torch_adam.Adam: "adam",
+        torch_adamw.AdamW: "adam",
+        torch_sgd.SGD: "sgd",
+        torch_rmsprop.RMSprop: "rmsprop",
+    }.get(type(optimizer))
+    if kind == "adam":
+        slots = [optimizer._momentums, optimizer._velocities]
+        if optimizer.amsgrad:
+            slots.append(optimizer._velocity_hats)
+    elif kind == "sgd":
+        slots = [optimizer.momentums] if optimizer.momentum != 0 else []
+    elif kind == "rmsprop":
+        slots = [optimizer._velocities]
+        if optimizer.centered:
+            slots.append(optimizer._average_gradients)
+        if optimizer.momentum > 0:
+            slots.append(optimizer._momentums)
+    else:
+        return None
+    return kind, slots, optimizer._get_variable_index
 
 
 def stored_dtype(variable):

@@ -531,3 +531,217 @@ def test_torch_bulk_updates_are_routed_through_update_step():
     )
     optimizer.apply([ops.ones((4,))], [variable])
     assert calls == [1]
+
+
+# Keras's PyTorch optimizers that keras_mp updates with its fused PyTorch
+# path, in configurations covering every branch of their update rules;
+# weight decay, clipping, EMA and gradient accumulation run around it.
+FUSED_OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adam_amsgrad": lambda: keras.optimizers.Adam(0.01, amsgrad=True),
+    "adamw_clip_ema_accumulation": lambda: keras.optimizers.AdamW(
+        0.01,
+        weight_decay=0.01,
+        clipnorm=1.0,
+        use_ema=True,
+        gradient_accumulation_steps=2,
+    ),
+    "sgd": lambda: keras.optimizers.SGD(0.01),
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.01, momentum=0.9),
+    "sgd_nesterov": lambda: keras.optimizers.SGD(
+        0.01, momentum=0.9, nesterov=True
+    ),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
+    "rmsprop_centered_momentum": lambda: keras.optimizers.RMSprop(
+        0.01, momentum=0.5, centered=True
+    ),
+}
+
+
+def _record_fused_updates(monkeypatch):
+    """Records what each fused update returned (True: it ran)."""
+    from keras_mp.backend import optimizer_state
+
+    results = []
+    call = optimizer_state.FusedStateUpdate.__call__
+
+    def recorded(self, *args):
+        results.append(call(self, *args))
+        return results[-1]
+
+    monkeypatch.setattr(optimizer_state.FusedStateUpdate, "__call__", recorded)
+    return results
+
+
+def _train_mixed_shapes(optimizer, steps=4):
+    """A few steps on variables of assorted shapes (a scalar, sizes that
+    fill no vector register), with gradients spanning 8 decades and, at the
+    third step, NaN and infinite gradients. Returns every variable."""
+    keras.utils.set_random_seed(1)
+    rng = np.random.default_rng(0)
+    shapes = [(3, 5), (7,), (), (300,), (41, 3)]
+    variables = [
+        keras.Variable(rng.normal(size=shape).astype("float32"))
+        for shape in shapes
+    ]
+    for step in range(steps):
+        grads = [
+            rng.normal(size=shape).astype("float32")
+            * np.float32(10.0 ** rng.integers(-6, 2))
+            for shape in shapes
+        ]
+        if step == 2:
+            grads[3][[5, 7, 299]] = [np.nan, -np.inf, np.inf]
+        optimizer.apply([ops.convert_to_tensor(g) for g in grads], variables)
+    return variables + optimizer.variables
+
+
+@pytest.mark.backends("torch")
+@pytest.mark.parametrize("name", sorted(FUSED_OPTIMIZERS))
+@pytest.mark.parametrize(
+    "state_dtype, stochastic_rounding",
+    [("bfloat16", True), ("bfloat16", False), ("float16", False)],
+)
+def test_torch_fused_update_is_bit_identical_to_the_update_step_path(
+    monkeypatch, name, state_dtype, stochastic_rounding
+):
+    from keras_mp.backend import optimizer_state
+
+    # Batches of 64 elements: the (300,) variable spans several batches and
+    # the small ones share batches, as large and small variables do in a
+    # real model with the default batch size.
+    monkeypatch.setattr(optimizer_state, "_BATCH_ELEMENTS", 64)
+    results = _record_fused_updates(monkeypatch)
+
+    def trained(fused):
+        monkeypatch.setattr(optimizer_state, "FUSED_TORCH_UPDATES", fused)
+        optimizer = keras_mp.OptimizerWrapper(
+            FUSED_OPTIMIZERS[name](),
+            state_dtype=state_dtype,
+            stochastic_rounding=stochastic_rounding,
+        )
+        return [to_numpy(v) for v in _train_mixed_shapes(optimizer)], [
+            v.path for v in optimizer.variables
+        ]
+
+    fused, paths = trained(True)
+    assert results and all(results)
+    results.clear()
+    generic, _ = trained(False)
+    assert results and not any(results)
+    # Plain SGD has no slots; every other one keeps some in `state_dtype`.
+    assert any(state_dtype == str(v.dtype) for v in fused) == (name != "sgd")
+    for path, a, b in zip(["variables"] * 5 + paths, fused, generic):
+        if state_dtype == "float16" and a.dtype.kind == "f":
+            # float16 stores keep a NaN's payload bits, and PyTorch's
+            # vector and scalar loops give NaNs different ones, so once a
+            # NaN reached float16 state its payload follows where a lane
+            # sits in a batch; every other value, and where NaNs are, match.
+            assert_bitwise_equal(np.isnan(a), np.isnan(b), path)
+            a, b = np.nan_to_num(a, nan=0.0), np.nan_to_num(b, nan=0.0)
+        assert_bitwise_equal(a, b, path)
+
+
+@pytest.mark.backends("torch")
+def test_torch_fused_update_with_master_weights_matches_the_generic_path(
+    monkeypatch,
+):
+    from keras_mp.backend import optimizer_state
+
+    results = _record_fused_updates(monkeypatch)
+
+    def trained(fused):
+        monkeypatch.setattr(optimizer_state, "FUSED_TORCH_UPDATES", fused)
+        keras.utils.set_random_seed(0)
+        optimizer = keras_mp.LossScaleOptimizer(
+            keras.optimizers.Adam(1e-3),
+            state_dtype="bfloat16",
+            master_weights=True,
+        )
+        variable = _tiny_updates(optimizer, steps=5)
+        return [to_numpy(v) for v in [variable] + optimizer.variables]
+
+    fused = trained(True)
+    assert results and all(results)
+    for a, b in zip(fused, trained(False)):
+        assert_bitwise_equal(a, b)
+
+
+@pytest.mark.backends("torch")
+@pytest.mark.parametrize(
+    "case",
+    ["lion", "adagrad", "nadam", "update_step_replaced", "bfloat16_variable"],
+)
+def test_torch_fused_update_leaves_other_updates_to_update_step(
+    monkeypatch, case
+):
+    results = _record_fused_updates(monkeypatch)
+    inner = {
+        "lion": lambda: keras.optimizers.Lion(0.001),
+        "adagrad": lambda: keras.optimizers.Adagrad(0.05),
+        "nadam": lambda: keras.optimizers.Nadam(0.01),
+    }.get(case, lambda: keras.optimizers.Adam(0.01))()
+    optimizer = keras_mp.OptimizerWrapper(inner, state_dtype="bfloat16")
+    dtype = "bfloat16" if case == "bfloat16_variable" else "float32"
+    variable = keras.Variable(np.ones((4,)), dtype=dtype)
+    calls = []
+    if case == "update_step_replaced":
+        update_step = inner.update_step
+        inner.__dict__["update_step"] = lambda *args: (
+            calls.append(1),
+            update_step(*args),
+        )
+    optimizer.apply([ops.ones((4,), dtype=dtype)], [variable])
+    # Lion, Adagrad and Nadam are Keras PyTorch bulk optimizers too, but
+    # not in the fused path: declined there, they run per variable.
+    assert results == [False]
+    assert calls == ([1] if case == "update_step_replaced" else [])
+    # The per-variable path ran: it updated the bfloat16 slots.
+    assert {_dtype(s) for s in _slots(optimizer)} == {"bfloat16"}
+    assert all(np.any(to_numpy(s) != 0) for s in _slots(optimizer))
+
+
+@pytest.mark.backends("torch")
+def test_torch_fused_update_declines_inside_a_stateless_scope(monkeypatch):
+    results = _record_fused_updates(monkeypatch)
+    optimizer = keras_mp.OptimizerWrapper(
+        keras.optimizers.Adam(0.01), state_dtype="bfloat16"
+    )
+    variable = keras.Variable(np.ones((4,), "float32"))
+    optimizer.build([variable])
+    before = [to_numpy(v) for v in [variable] + optimizer.variables]
+    new_variables, new_state = optimizer.stateless_apply(
+        [v.value for v in optimizer.variables],
+        [ops.ones((4,))],
+        [variable.value],
+    )
+    assert results == [False]
+    # Nothing was updated in place; the new values came back.
+    for old, current in zip(before, [variable] + optimizer.variables):
+        assert_bitwise_equal(to_numpy(current), old)
+    assert not np.array_equal(to_numpy(new_variables[0]), before[0])
+
+
+@pytest.mark.backends("torch")
+@pytest.mark.parametrize("stochastic_rounding", [True, False])
+def test_torch_fused_update_makes_no_host_sync(
+    monkeypatch, stochastic_rounding
+):
+    from keras_mp.testing import count_host_syncs
+
+    results = _record_fused_updates(monkeypatch)
+    optimizer = keras_mp.OptimizerWrapper(
+        keras.optimizers.Adam(0.01, amsgrad=True),
+        state_dtype="bfloat16",
+        stochastic_rounding=stochastic_rounding,
+    )
+    variables = [
+        keras.Variable(np.ones(shape, "float32")) for shape in [(70,), (3, 2)]
+    ]
+    grads = [ops.ones((70,)), ops.ones((3, 2))]
+    optimizer.apply(grads, variables)
+    with count_host_syncs() as syncs:
+        for _ in range(3):
+            optimizer.apply(grads, variables)
+    assert results == [True] * 4
+    assert sum(syncs.values()) == 0, syncs

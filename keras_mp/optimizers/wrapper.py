@@ -614,11 +614,11 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             add_variable_from_reference
         )
         base.__dict__["add_variable"] = add_variable
-        # Torch's bulk updates could not store into slots of another dtype
-        # than the variable's, nor round them.
-        optimizer_state.route_updates_through_update_step(base)
         if state_dtype not in _HALF_DTYPES:
-            # float32 slots store the float32 result as it is.
+            # float32 slots store the float32 result as it is. Torch's bulk
+            # updates could not store into slots of another dtype than the
+            # variable's.
+            optimizer_state.route_updates_through_update_step(base)
             return
         assign = base.assign
         round_state = self._round_state
@@ -648,6 +648,23 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
                 return update_step(gradient, variable, learning_rate)
 
         base.__dict__["update_step"] = hooked_update_step
+        # Torch's bulk updates could not store into slots of another dtype
+        # than the variable's, nor round them: the update goes through
+        # `update_step` and the hooks below, or on PyTorch, for Keras's
+        # Adam, AdamW, SGD and RMSprop, through the same update fused into
+        # a few in-place calls per batch of elements.
+        optimizer_state.route_updates_through_update_step(
+            base,
+            optimizer_state.FusedStateUpdate(
+                base,
+                state_dtype,
+                self._stochastic_rounding,
+                seed_generator=lambda: self._seed_generator,
+                update_step=hooked_update_step,
+            )
+            if keras.backend.backend() == "torch"
+            else None,
+        )
 
         for name, combine in (
             ("assign", lambda variable, value: ops.cast(value, "float32")),
