@@ -306,6 +306,19 @@ skip_then_apply(
     lambda: model.fit(x, y, batch_size=16, epochs=1, verbose=0),
 )
 
+# bfloat16 momentum, stochastically rounded (its rounding is an XLA-compiled
+# function called from the step, once per replica).
+model, optimizer, _, _ = fit(two, state_dtype="bfloat16")
+results["fit_bf16_slot_dtypes"] = sorted(
+    {v.dtype for v in optimizer.inner_optimizer.variables if v.ndim}
+)
+skip_then_apply(
+    "fit_bf16",
+    model,
+    optimizer,
+    lambda: model.fit(x, y, batch_size=16, epochs=1, verbose=0),
+)
+
 
 def clip_each_replica_then_sum(grads_and_vars):
     # The order of Keras 3's TensorFlow optimizers, as a control: the
@@ -462,6 +475,15 @@ def _assert_skipped_on_every_replica(results, arrays, prefix, replicated=True):
         == counters_before["skipped_steps"] + 1
     )
     assert counters_skipped["iterations"] == counters_before["iterations"]
+
+
+@pytest.mark.backends("tensorflow")
+def test_bfloat16_state_skips_and_stays_identical_on_every_replica_in_fit(
+    tf_fit_results,
+):
+    results, arrays = tf_fit_results
+    assert results["fit_bf16_slot_dtypes"] == ["bfloat16"]
+    _assert_skipped_on_every_replica(results, arrays, "fit_bf16")
 
 
 @pytest.mark.backends("tensorflow")

@@ -538,3 +538,31 @@ def _int32():
     import torch
 
     return torch.int32
+
+
+def compiled_elementwise(fn):
+    """`fn`, compiled into fused kernels where the step would otherwise run
+    each of its elementwise operations as a pass over memory of its own.
+
+    TensorFlow without XLA (Keras's default on CPUs and in `run_eagerly`)
+    runs one kernel per operation; there `fn` becomes an XLA-compiled
+    `tf.function` (inlined where the step is already compiled with XLA).
+    JAX and `jit_compile` steps already fuse, and eager PyTorch has no
+    compiler it could count on (the fused update above replaces the
+    per-variable path instead): `fn` is returned as it is. `fn` must be a
+    module-level function of tensors only; one compiled version is kept
+    per function.
+    """
+    if keras.backend.backend() != "tensorflow":
+        return fn
+    compiled = _compiled.get(fn)
+    if compiled is None:
+        import tensorflow as tf
+
+        compiled = tf.function(fn, jit_compile=True, autograph=False)
+        _compiled[fn] = compiled
+    return compiled
+
+
+# Per function: its XLA-compiled `tf.function` (see `compiled_elementwise`).
+_compiled = {}

@@ -1178,7 +1178,19 @@ def stochastic_round_to_bfloat16(value, seed):
     Returns:
         A bfloat16 tensor of the same shape.
     """
-    value = ops.cast(value, "float32")
+    seed = ops.cast(seed.next(), "int32")
+    # About twenty elementwise integer operations: one fused loop under
+    # XLA, but on TensorFlow without XLA (Keras's default there) each would
+    # be a pass over the whole slot, so they are compiled as one kernel.
+    round_stochastically = optimizer_state.compiled_elementwise(
+        _round_stochastically
+    )
+    return round_stochastically(ops.cast(value, "float32"), seed)
+
+
+def _round_stochastically(value, seed):
+    """`stochastic_round_to_bfloat16` of a float32 `value` with the int32
+    key pair `seed` (a `SeedGenerator`'s draw)."""
     bits = ops.view(value, "int32")
     noise = ops.bitwise_and(_random_bits(ops.shape(value), seed), 0xFFFF)
     # -65536 is 0xFFFF0000: the sign, exponent and bfloat16 mantissa bits.
@@ -1199,12 +1211,11 @@ def _saved_state_precision(values):
     )
 
 
-def _random_bits(shape, seed_generator):
-    """32 pseudo-random bits per element (int32), from the generator's next
-    key and each element's index through the `lowbias32` integer hash (C.
+def _random_bits(shape, seed):
+    """32 pseudo-random bits per element (int32), from the int32 key pair
+    `seed` and each element's index through the `lowbias32` integer hash (C.
     Wellons): uniform enough for rounding noise, and cheap. int32 products
     wrap on every backend; right shifts are made logical by masking."""
-    seed = ops.cast(seed_generator.next(), "int32")
     key = _hash32(ops.add(ops.multiply(seed[0], -1640531527), seed[1]))
     size = int(np.prod(shape)) if len(shape) else 1
     index = ops.reshape(ops.arange(size, dtype="int32"), shape)
