@@ -258,7 +258,7 @@ def _custom_train_step_class():
     return Custom
 
 
-@pytest.mark.parametrize("kind", ["wrapper", "loss_scale", "master_weights"])
+@pytest.mark.parametrize("kind", ["loss_scale", "master_weights"])
 def test_custom_train_step_matches_fit(kind):
     def build(cls):
         keras.utils.set_random_seed(0)
@@ -358,8 +358,8 @@ def test_second_notebook_model_after_float32_gets_no_islands(set_float32):
     for layer in second.layers:
         assert not hasattr(layer, "_keras_mp_islands")
     x = np.ones((2, 4), "float32")
-    assert str(first(x).dtype).endswith("float32")
-    assert str(second.get_layer("second_hidden")(x).dtype).endswith("float32")
+    for output in (first(x), second.get_layer("second_hidden")(x)):
+        assert keras.backend.standardize_dtype(output.dtype) == "float32"
 
 
 def test_keras_set_global_policy_turns_the_islands_off_as_documented():
