@@ -219,7 +219,8 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             rounding step survive on average, where rounding to nearest
             would drop them every step). The random bits come from a
             `keras.random.SeedGenerator` whose state is an optimizer
-            variable, so runs repeat after `keras.utils.set_random_seed`.
+            variable and whose seed is drawn when the wrapper is created,
+            so runs repeat after `keras.utils.set_random_seed`.
             `None` means True for bfloat16 state, False otherwise; only
             bfloat16 state supports it. Defaults to `None`.
         master_weights: Whether to keep a float32 master copy of every
