@@ -485,3 +485,29 @@ def test_two_threads_training_under_their_own_policy_scopes_stay_apart():
             assert_bitwise_equal(a, b)
     # Neither thread's scope reached the process-global policy.
     assert keras_mp.global_policy().name == "float32"
+
+
+def test_worker_thread_layers_follow_the_main_threads_policy_and_islands():
+    keras_mp.set_global_policy("mixed_bfloat16", float32_islands="default")
+    models, errors = [], []
+
+    def build():
+        try:
+            models.append(_functional("worker"))
+        except BaseException as error:  # reported in the main thread
+            errors.append(error)
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    (model,) = models
+    assert model.get_layer("worker_hidden").compute_dtype == "bfloat16"
+    assert model.get_layer("worker_probs").compute_dtype == "float32"
+    _assert_explained_as_built(
+        model,
+        {
+            None: "global policy",
+            "worker_probs": "DEFAULT_FLOAT32_ISLANDS: Softmax -> float32",
+        },
+    )
