@@ -404,7 +404,8 @@ def set_global_policy(policy, float32_islands=None):
     when the model's policy has a loss scale.
 
     `keras.config.set_dtype_policy` (and its legacy name
-    `keras.mixed_precision.set_global_policy`) set this same policy. Setting
+    `keras.mixed_precision.set_global_policy`) set this same policy, and
+    like `set_global_policy(policy)` they turn the float32 islands off. Setting
     a policy does not initialize the TensorFlow or JAX runtime: the hardware
     check runs when the first mixed layer is built.
 
@@ -417,7 +418,10 @@ def set_global_policy(policy, float32_islands=None):
             without a `dtype` follow: `"default"`
             (`keras_mp.DEFAULT_FLOAT32_ISLANDS`: softmax and the model's
             output layers in float32), a `keras_mp.precision_rules(...)`, or
-            None. Each call replaces the previous rules. Defaults to None.
+            None. Each call replaces the previous rules. Over a
+            `DTypePolicyMap`, a rule that matches a layer wins over the
+            map's entry for it, with a warning (see
+            `keras_mp.precision_rules`). Defaults to None.
 
     Example:
 

@@ -21,6 +21,7 @@ What Keras 3 already does, so no rule is needed for it:
 
 import functools
 import re
+import warnings
 
 import keras
 
@@ -182,6 +183,11 @@ def precision_rules(rules=None, outputs=_UNSET, base=None, name=None):
     with a path or class rule. The resulting dtypes are in each layer's
     config, so a saved model reloads with them, rules active or not.
 
+    Under a global `keras.dtype_policies.DTypePolicyMap`, layers that no
+    rule matches follow the map; a rule that matches a layer wins over the
+    map's entry for that layer's path, and a warning says so when their
+    dtypes differ (a rule giving None keeps the entry).
+
     Args:
         rules: A dict from a Keras layer class (or a tuple of classes) or a
             layer path pattern (a regular expression matched with
@@ -333,6 +339,10 @@ def _install_layer_init_hook():
     def __init__(self, **kwargs):
         explicit = kwargs.get("dtype") is not None
         original(self, **kwargs)
+        if explicit:
+            # What `explain_precision` names: only such a layer's policy
+            # came from a dtype argument.
+            self._keras_mp_dtype_argument = True
         rules = policy_module._global_float32_islands
         if explicit or rules is None:
             return
@@ -359,6 +369,7 @@ def _apply_rules(model):
             policy = layer._keras_mp_global_policy
         else:
             policy = rule.policy
+            _warn_if_overriding_a_map_entry(layer, rule)
         if policy is not layer.dtype_policy:
             _set_policy(layer, _fitted(policy, layer))
         layer._keras_mp_precision_rule = None if rule is None else str(rule)
@@ -366,6 +377,37 @@ def _apply_rules(model):
         # whose outputs are inner layers) must not change the first one.
         layer._keras_mp_rules_decided = True
     model._keras_mp_rules_applied = True
+
+
+def _warn_if_overriding_a_map_entry(layer, rule):
+    """Warns when `rule` overrides a global `DTypePolicyMap`'s own entry for
+    `layer` with other dtypes: the rule wins, and says so."""
+    policy_map = layer._keras_mp_global_policy
+    if not isinstance(policy_map, keras.dtype_policies.DTypePolicyMap):
+        return
+    path = _path(layer)
+    if not any(key == path or re.fullmatch(key, path) for key in policy_map):
+        return
+    entry, ruled = policy_map[path], _fitted(rule.policy, layer)
+    dtypes = [
+        (
+            p.variable_dtype,
+            p.compute_dtype,
+            getattr(p, "output_dtype", p.compute_dtype),
+        )
+        for p in (entry, ruled)
+    ]
+    if dtypes[0] == dtypes[1]:
+        return
+    warnings.warn(
+        f"Layer {path!r} has an entry ({entry.name}) in the global "
+        f"DTypePolicyMap and matches the float32 islands rule '{rule}': the "
+        f"rule wins, so the layer computes as {ruled.name}. To keep the "
+        "map's entry, add a rule giving it None (keep the global policy): "
+        f"keras_mp.precision_rules({{{path!r}: None}}, base=...).",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def _after_call(operation, outputs):
@@ -463,9 +505,9 @@ def _reason(layer, policy, rules, is_output):
                 == getattr(policy, "output_dtype", policy.compute_dtype)
             ):
                 return str(rule)
-    if hasattr(layer, "_keras_mp_islands"):
-        return "global policy"
-    return "dtype argument"
+    if getattr(layer, "_keras_mp_dtype_argument", False):
+        return "dtype argument"
+    return "global policy"
 
 
 def _table(rows):

@@ -1,5 +1,6 @@
 """OptimizerWrapper: delegation to an inner optimizer and the RFC 234 pipeline."""
 
+import random
 import sys
 import warnings
 import weakref
@@ -218,7 +219,8 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             rounding step survive on average, where rounding to nearest
             would drop them every step). The random bits come from a
             `keras.random.SeedGenerator` whose state is an optimizer
-            variable, so runs repeat after `keras.utils.set_random_seed`.
+            variable and whose seed is drawn when the wrapper is created,
+            so runs repeat after `keras.utils.set_random_seed`.
             `None` means True for bfloat16 state, False otherwise; only
             bfloat16 state supports it. Defaults to `None`.
         master_weights: Whether to keep a float32 master copy of every
@@ -438,7 +440,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         leaves every variable as it was. Into an optimizer that is not built
         yet (a fresh model compiled, then `load_weights`), the values are
         kept until `build` creates the variables, so training resumes where
-        it stopped instead of from a fresh optimizer state.
+        it stopped instead of from a fresh optimizer state; kept values that
+        do not fit the variables built then (the rest of that load failed)
+        are skipped with a warning.
         """
         if inner_values is not None:
             self.__dict__["_pending_restore"] = {"inner": inner_values}
@@ -448,8 +452,26 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         if self.built:
             self._commit_restore()
 
-    def _commit_restore(self):
+    def _commit_restore(self, deferred=False):
         pending = self.__dict__.pop("_pending_restore", None) or {}
+        if deferred and "weights" not in pending:
+            # Held since a `load_weights` into this unbuilt optimizer, which
+            # may have failed as a whole (Keras reports a layer's mismatch
+            # after loading every object): a checkpoint that does not fit
+            # the variables now built is skipped, as Keras skips an unbuilt
+            # optimizer's, instead of failing this first training step.
+            try:
+                self._commit_checkpoint(pending)
+            except ValueError as error:
+                warnings.warn(
+                    f"Skipping the optimizer state loaded into {self.name!r} "
+                    "before it was built: it does not fit the variables it "
+                    f"was built for ({error}) The optimizer starts fresh. "
+                    "Load a checkpoint saved from the same model and "
+                    "optimizer.",
+                    stacklevel=3,
+                )
+            return
         if "weights" in pending:
             _assign_all(
                 self.variables,
@@ -457,6 +479,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
                 f"optimizer {self.name!r}'s weights",
             )
             return
+        self._commit_checkpoint(pending)
+
+    def _commit_checkpoint(self, pending):
         variables, values = [], []
         inner_values = pending.get("inner")
         if inner_values is not None:
@@ -548,7 +573,7 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             self._transforms.build(var_list)
         self.built = True
         if self.__dict__.get("_pending_restore"):
-            self._commit_restore()
+            self._commit_restore(deferred=True)
 
     # ------------------------------------------------------ state precision
     def _init_state_precision(
@@ -563,6 +588,12 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             _state_precision_variables=[],
             _master_variables={},
             _weight_decay_exclusions=None,
+            # Drawn now, as Keras layers draw theirs, not at build: after
+            # `keras.utils.set_random_seed`, an optimizer created alike
+            # rounds alike however many others are built before it trains.
+            _stochastic_rounding_seed=(
+                random.randint(1, int(1e9)) if stochastic_rounding else None
+            ),
         )
         if state_dtype is not None:
             self._install_state_dtype(self._base_optimizer())
@@ -698,7 +729,7 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         """
         if self._stochastic_rounding:
             self._seed_generator = keras.random.SeedGenerator(
-                name="stochastic_rounding"
+                seed=self._stochastic_rounding_seed, name="stochastic_rounding"
             )
             self._state_precision_variables.append(self._seed_generator.state)
         if not self._master_weights:
