@@ -129,3 +129,40 @@ def test_torch_rfc293_loop_matches_backward_and_apply_through_an_overflow():
         results.append([to_numpy(v) for v in model.weights])
     for rfc293, keras3 in zip(*results):
         np.testing.assert_allclose(rfc293, keras3, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.backends("torch")
+def test_torch_skip_saves_into_the_same_buffers_every_step():
+    # The saved copy of the state is reused, not allocated afresh each step
+    # (allocations of the whole state's size fault their pages in again).
+    import torch
+
+    model, optimizer = _model_and_optimizer()
+    with torch.no_grad():
+        optimizer.apply(_grads(model))
+        first = [b.data_ptr() for b in optimizer._skip_backups._buffers]
+        for poison in (None, np.nan, None):
+            optimizer.apply(_grads(model, poison))
+    assert [b.data_ptr() for b in optimizer._skip_backups._buffers] == first
+    assert int(to_numpy(optimizer.iterations)) == 3
+    assert int(to_numpy(optimizer.skipped_steps)) == 1
+
+
+@pytest.mark.backends("torch")
+def test_skip_backups_reallocate_when_shapes_or_dtypes_change():
+    import torch
+
+    from keras_mp.backend.gradients import SkipBackups
+
+    backups = SkipBackups()
+    values = [torch.ones(3), torch.zeros((2, 2), dtype=torch.bfloat16)]
+    first = backups.like(values)
+    assert [(b.shape, b.dtype) for b in first] == [
+        (v.shape, v.dtype) for v in values
+    ]
+    assert backups.like([v + 1 for v in values]) is first
+    resized = backups.like([torch.ones(4), values[1]])
+    assert resized is not first and resized[0].shape == (4,)
+    retyped = backups.like([torch.ones(4, dtype=torch.float16), values[1]])
+    assert retyped is not resized and retyped[0].dtype == torch.float16
+    assert len(backups.like(values[:1])) == 1

@@ -1032,8 +1032,16 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             keras.backend.backend() == "torch"
             and not _keras_internals.in_stateless_scope()
         ):
+            backups = self.__dict__.get("_skip_backups")
+            if backups is None:
+                backups = backend_gradients.SkipBackups()
+                self.__dict__["_skip_backups"] = backups
             backend_gradients.update_in_place_unless_skipped(
-                condition, self._transform_and_apply, grads_and_vars, targets
+                condition,
+                self._transform_and_apply,
+                grads_and_vars,
+                targets,
+                backups,
             )
             return
         current = [t.value for t in targets]
