@@ -67,7 +67,14 @@ def parse_args(argv=None):
         default=os.environ.get("KERAS_MP_QUICK") == "1",
         help="width 32, 2 steps, 1 repeat: checks that it runs",
     )
+    parser.add_argument(
+        "--jit-compile",
+        action="store_true",
+        help="compile the TensorFlow step with XLA (JAX always uses XLA)",
+    )
     args = parser.parse_args(argv)
+    if args.jit_compile and keras.backend.backend() != "tensorflow":
+        parser.error("--jit-compile is for the TensorFlow backend")
     if args.quick:
         args.width, args.steps, args.repeats = 32, 2, 1
     for name in ("steps", "repeats", "width"):
@@ -76,7 +83,7 @@ def parse_args(argv=None):
     return args
 
 
-def build(variant, width):
+def build(variant, width, jit_compile=False):
     keras.utils.set_random_seed(0)
     policy = "bfloat16" if variant in BFLOAT16_MODELS else "float32"
     with warnings.catch_warnings():
@@ -98,6 +105,9 @@ def build(variant, width):
     model.compile(
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        # "auto": XLA on JAX, none on TensorFlow (Keras's default there) and
+        # on torch.
+        jit_compile=True if jit_compile else "auto",
     )
     return model
 
@@ -146,7 +156,10 @@ def describe_machine():
 
 
 def run(args):
-    models = {variant: build(variant, args.width) for variant in VARIANTS}
+    models = {
+        variant: build(variant, args.width, args.jit_compile)
+        for variant in VARIANTS
+    }
     data = make_data(args.steps)
     warmup = make_data(2)
     rows = {}
@@ -179,7 +192,8 @@ def format_table(args, rows):
     lines = [
         f"backend={keras.backend.backend()} keras={keras.__version__} "
         f"machine={describe_machine()} params={base['params']} "
-        f"batch={BATCH_SIZE} steps={args.steps} repeats={args.repeats}",
+        f"batch={BATCH_SIZE} steps={args.steps} repeats={args.repeats} "
+        f"xla={args.jit_compile or keras.backend.backend() == 'jax'}",
         f"{'variant':<18} {'state B/param':>13} {'state/f32':>9} "
         f"{'w+state B/param':>15} {'peak step MB':>12} {'ms/step':>8} "
         f"{'time/f32':>8}",

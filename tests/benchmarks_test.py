@@ -72,3 +72,12 @@ def test_benchmark_runs_with_the_smallest_flags_and_prints_a_ratio(script):
         f"{script.name} {' '.join(args)} printed no ratio (`a/b = 1.234` "
         f"or `a/b  1.234`) nor speed-up (`1.23x`):\n{stdout[-4000:]}"
     )
+
+
+@pytest.mark.backends("tensorflow")
+def test_state_memory_benchmark_compiles_the_tensorflow_step_on_request():
+    script = next(p for p in SCRIPTS if p.name == "optimizer_state_memory.py")
+    stdout = run_script(
+        script, "--jit-compile", env={"KERAS_MP_QUICK": "1"}, timeout=300
+    )
+    assert "xla=True" in stdout and _RATIO.search(stdout), stdout[-4000:]
