@@ -747,3 +747,69 @@ def test_torch_fused_update_makes_no_host_sync(
             optimizer.apply(grads, variables)
     assert results == [True] * 4
     assert sum(syncs.values()) == 0, syncs
+
+
+def _fit_bfloat16_state(optimizer, **compile_kwargs):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((5,), dtype="int32"),
+            keras.layers.Embedding(50, 8),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(optimizer, "mse", **compile_kwargs)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 50, size=(64, 5))
+    y = rng.normal(size=(64, 1)).astype("float32")
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    return [to_numpy(v) for v in model.weights + optimizer.variables]
+
+
+@pytest.mark.backends("tensorflow")
+@pytest.mark.parametrize("name", ["Adam", "SGD", "Adafactor", "Lion"])
+def test_tensorflow_16_bit_state_update_is_the_same_in_graph_and_eager(name):
+    # Without XLA the update of 16-bit slots runs as one XLA-compiled
+    # function (sparse Embedding gradients included), from a graph step or
+    # an eager one alike. (A step compiled whole with XLA also computes the
+    # gradients with other kernels, so its bits may differ.)
+    def trained(**compile_kwargs):
+        keras.utils.set_random_seed(0)
+        optimizer = keras_mp.LossScaleOptimizer(
+            getattr(keras.optimizers, name)(0.01), state_dtype="bfloat16"
+        )
+        return _fit_bfloat16_state(optimizer, **compile_kwargs)
+
+    graph = trained()
+    for path, a, b in zip(range(len(graph)), trained(run_eagerly=True), graph):
+        assert_bitwise_equal(a, b, f"variable {path}")
+    assert all(np.isfinite(v.astype("float32")).all() for v in graph)
+    assert all(
+        np.isfinite(v.astype("float32")).all()
+        for v in trained(jit_compile=True)
+    )
+
+
+@pytest.mark.backends("tensorflow")
+def test_tensorflow_custom_optimizer_with_16_bit_state_is_not_compiled():
+    import tensorflow as tf
+
+    class HostClippedSGD(keras.optimizers.SGD):
+        # An operation XLA cannot compile: compiling this update would fail
+        # at the first step.
+        def update_step(self, gradient, variable, learning_rate):
+            gradient = tf.numpy_function(
+                lambda g: np.clip(g, -1, 1), [gradient], gradient.dtype
+            )
+            gradient = tf.reshape(gradient, variable.shape)
+            super().update_step(gradient, variable, learning_rate)
+
+    optimizer = keras_mp.OptimizerWrapper(
+        HostClippedSGD(0.01, momentum=0.9), state_dtype="bfloat16"
+    )
+    values = _fit_bfloat16_state(optimizer)
+    assert all(np.isfinite(v.astype("float32")).all() for v in values)
+    assert {str(v.dtype) for v in optimizer.inner_optimizer.momentums} == {
+        "bfloat16"
+    }

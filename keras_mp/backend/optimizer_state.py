@@ -566,3 +566,68 @@ def compiled_elementwise(fn):
 
 # Per function: its XLA-compiled `tf.function` (see `compiled_elementwise`).
 _compiled = {}
+
+
+def compile_update_with_xla(optimizer):
+    """Makes `optimizer` update its variables in one XLA-compiled function.
+
+    TensorFlow only, and only outside `tf.distribute` strategies (whose
+    updates go through `merge_call`, which an XLA function cannot hold).
+    Without XLA (Keras's default on CPUs) every operation of an update is
+    a kernel of its own, and 16-bit slots add several casts per slot,
+    each a pass over it; compiled, the casts, the float32 math and the
+    rounded store of each slot fuse into a few loops. This shadows, on this
+    instance only, `_backend_update_step` with a `tf.function(jit_compile=
+    True)` of it, one per list of variables (compiled once, at the first
+    step), for Keras's built-in optimizers only (the exact classes: a
+    subclass keeps the uncompiled update). Inside a step already compiled
+    with XLA it is inlined. Other
+    backends already fuse (JAX) or have their own fused update (PyTorch,
+    `FusedStateUpdate`): nothing is changed there.
+    """
+    if keras.backend.backend() != "tensorflow":
+        return
+    if type(optimizer) not in _xla_safe_optimizer_classes():
+        # A subclass or a user's optimizer may use operations XLA cannot
+        # compile, and the error would come only when a step runs.
+        return
+    import tensorflow as tf
+
+    original = optimizer._backend_update_step
+    compiled = {}
+
+    def _backend_update_step(grads, trainable_variables, learning_rate):
+        if tf.distribute.has_strategy():
+            return original(grads, trainable_variables, learning_rate)
+        variables = list(trainable_variables)
+        key = tuple(id(v) for v in variables)
+        update = compiled.get(key)
+        if update is None:
+
+            def update_all(grads, learning_rate):
+                original(grads, variables, learning_rate)
+
+            update = tf.function(update_all, jit_compile=True, autograph=False)
+            compiled[key] = update
+        update(list(grads), tf.convert_to_tensor(learning_rate))
+
+    optimizer.__dict__["_backend_update_step"] = _backend_update_step
+
+
+def _xla_safe_optimizer_classes():
+    """Keras's built-in optimizers, which Keras itself compiles with XLA."""
+    names = (
+        "Adadelta",
+        "Adafactor",
+        "Adagrad",
+        "Adam",
+        "Adamax",
+        "AdamW",
+        "Ftrl",
+        "Lamb",
+        "Lion",
+        "Nadam",
+        "RMSprop",
+        "SGD",
+    )
+    return {getattr(keras.optimizers, name) for name in names}

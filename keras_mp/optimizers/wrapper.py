@@ -696,6 +696,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             if keras.backend.backend() == "torch"
             else None,
         )
+        # Without XLA, TensorFlow runs each cast of a slot (read upcast,
+        # store rounded) as a kernel pass of its own.
+        optimizer_state.compile_update_with_xla(base)
 
         for name, combine in (
             ("assign", lambda variable, value: ops.cast(value, "float32")),
