@@ -191,7 +191,7 @@ def cond_update(condition, update, grads_and_vars):
 
 
 def update_in_place_unless_skipped(
-    condition, update, grads_and_vars, targets, backups=None
+    condition, update, grads_and_vars, targets, backups
 ):
     """Runs `update(grads_and_vars)` in place; `targets` keep their values
     bit for bit where the bool tensor `condition` is False.
@@ -215,11 +215,8 @@ def update_in_place_unless_skipped(
 
     with torch.no_grad():
         values = [target.value for target in targets]
-        if backups is None:
-            saved = [value.clone() for value in values]
-        else:
-            saved = backups.like(values)
-            torch._foreach_copy_(saved, values)
+        saved = backups.like(values)
+        torch._foreach_copy_(saved, values)
         update(grads_and_vars)
         for target, old in zip(targets, saved):
             # Read again: the update may have replaced a variable's tensor.
