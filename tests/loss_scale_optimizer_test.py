@@ -116,6 +116,23 @@ def test_one_finite_check_for_all_gradients_is_exact_for_float16(
     assert int(to_numpy(optimizer.skipped_steps)) == int(not applied)
 
 
+def test_finite_float32_values_summing_past_its_range_skip_the_step():
+    # The one documented approximation of the finite check
+    # (`backend.gradients.gradient_sum`): two finite values whose float32
+    # sum (6e38) is beyond float32's largest value (3.4e38) count as an
+    # overflow. The step is skipped whole and the scale halves, as for an
+    # inf, on every backend.
+    variables = [keras.Variable(np.zeros(2), dtype="float32", name="a")]
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(1e-30), loss_scale=keras_mp.DynamicLossScale(2.0)
+    )
+    grads = [ops.convert_to_tensor(np.array([3e38, 3e38], "float32"))]
+    _apply(optimizer, grads, variables)
+    assert_bitwise_equal(variables[0], np.zeros(2, "float32"))
+    assert int(to_numpy(optimizer.skipped_steps)) == 1
+    assert float(to_numpy(optimizer.loss_scale())) == 1.0
+
+
 def test_scale_follows_the_algorithm_step_by_step_with_injected_overflows():
     loss_scale = keras_mp.DynamicLossScale(
         initial_loss_scale=4.0,
