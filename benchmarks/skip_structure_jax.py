@@ -145,10 +145,9 @@ def make_step(variant):
 
 
 def initial_state(params):
-    zeros = jax.tree.map(jnp.zeros_like, params)
     return (
         jax.tree.map(jnp.array, params),
-        zeros,
+        jax.tree.map(jnp.zeros_like, params),
         jax.tree.map(jnp.zeros_like, params),
         jnp.int32(0),
         jnp.float32(2.0**15),
