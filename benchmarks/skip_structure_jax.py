@@ -179,6 +179,16 @@ def run(args):
             jax.block_until_ready(state)
             times[name].append((time.perf_counter() - start) / args.steps)
             states[name] = state
+    # A skipped timed step would halve the scale and change what the
+    # variants compute: none may have skipped.
+    applied = 1 + args.repeats * args.steps
+    for name, state in states.items():
+        if int(state[3]) != applied or float(state[4]) != 2.0**15:
+            raise RuntimeError(
+                f"{name} skipped a timed step (step count {int(state[3])} "
+                f"of {applied}, loss scale {float(state[4])}), so its "
+                "steps were not comparable."
+            )
     return times
 
 
