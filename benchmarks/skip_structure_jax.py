@@ -15,6 +15,10 @@ skip differs between variants:
   does;
 - check_isfinite_cond: `all(isfinite(g))` per gradient deciding the same
   `lax.cond` (exact, and on XLA's CPU backend not handed to YNNPACK);
+- check_bits_cond: an integer `max` of each gradient's exponent bits
+  (exact: all ones only for an inf or a NaN) deciding the same `lax.cond`;
+- cond_early: the same `lax.cond` on a flag known when the step starts
+  (`scale > 0`), which isolates what the conditional itself costs;
 - select_late: the sum check, then `where(finite, new, old)` over every
   weight and slot after an unconditional update;
 - select_early: the same select on a flag known when the step starts
@@ -52,6 +56,8 @@ VARIANTS = (
     "barrier",
     "check_sum_cond",
     "check_isfinite_cond",
+    "check_bits_cond",
+    "cond_early",
     "select_late",
     "select_early",
 )
@@ -102,6 +108,14 @@ def adam(params, m, v, grads, t, lr=1e-3, b1=0.9, b2=0.999, eps=1e-7):
     return params, m, v, t
 
 
+_EXPONENT = 0x7F800000  # float32's exponent bits: all ones for inf and NaN
+
+
+def exponent_max(g):
+    """The largest exponent field among the float32 values of `g`."""
+    return jnp.max(jax.lax.bitcast_convert_type(g, jnp.int32) & _EXPONENT)
+
+
 def make_step(variant):
     def step(state, x, y):
         params, m, v, t, scale = state
@@ -119,7 +133,11 @@ def make_step(variant):
             finite = jnp.all(
                 jnp.stack([jnp.all(jnp.isfinite(g)) for g in leaves])
             )
-        elif variant == "select_early":
+        elif variant == "check_bits_cond":
+            finite = jnp.all(
+                jnp.stack([exponent_max(g) != _EXPONENT for g in leaves])
+            )
+        elif variant in ("cond_early", "select_early"):
             finite = scale > 0
         else:
             finite = backend_gradients.all_finite(leaves)
