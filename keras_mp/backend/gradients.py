@@ -107,6 +107,37 @@ def all_reduce_sum(grads):
     return [None if g is None else next(reduced) for g in grads]
 
 
+def all_reduce_max(values):
+    """Elementwise maximum across replicas under tf.distribute.
+
+    For the values a variable overwrites itself with (Keras's float8 amax
+    histories and scales), where the largest replica's covers them all.
+    `tf.distribute.ReduceOp` has no MAX: each replica gathers all values
+    and takes their maximum. Elsewhere the values are returned as they are
+    (JAX's are global inside `jax.jit`).
+    """
+    if _backend() != "tensorflow" or not any(v is not None for v in values):
+        return values
+    import tensorflow as tf
+
+    if (
+        not tf.distribute.has_strategy()
+        or tf.distribute.in_cross_replica_context()
+    ):
+        return values
+    replica_context = tf.distribute.get_replica_context()
+    if replica_context.num_replicas_in_sync == 1:
+        return values
+    return [
+        None
+        if v is None
+        else tf.reduce_max(
+            replica_context.all_gather(tf.expand_dims(v, 0), axis=0), axis=0
+        )
+        for v in values
+    ]
+
+
 def apply_aggregated(optimizer, grads, variables):
     """Applies already aggregated gradients with a plain Keras optimizer.
 

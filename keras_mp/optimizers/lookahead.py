@@ -6,6 +6,7 @@ import keras
 from keras import ops
 
 from keras_mp.optimizers.wrapper import OptimizerWrapper
+from keras_mp.optimizers.wrapper import overwrites_with_gradient
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -61,15 +62,26 @@ class Lookahead(OptimizerWrapper):
         # Filled from the model's weights at the first update, not here:
         # `build` may run inside a traced step (TF with XLA) where reading
         # model weights into a new variable's initializer cannot be lifted.
+        # None for a variable that overwrites itself with its gradient
+        # (Keras's float8 state): interpolating it would corrupt it.
         self._slow_weights = [
-            self.add_variable_from_reference(v, name="slow") for v in var_list
+            None
+            if overwrites_with_gradient(v)
+            else self.add_variable_from_reference(v, name="slow")
+            for v in var_list
         ]
         self._slow_ready = self.add_variable(
             shape=(), dtype="int32", name="slow_ready"
         )
 
     def apply_updates(self, grads_and_vars):
-        variables = list({id(v): v for _, v in grads_and_vars}.values())
+        variables = list(
+            {
+                id(v): v
+                for _, v in grads_and_vars
+                if not overwrites_with_gradient(v)
+            }.values()
+        )
         slows = [
             self._slow_weights[self._get_variable_index(v)] for v in variables
         ]

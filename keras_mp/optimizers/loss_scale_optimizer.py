@@ -14,6 +14,7 @@ from keras_mp import _keras_internals
 from keras_mp import loss_scale as loss_scale_module
 from keras_mp.backend import gradients as backend_gradients
 from keras_mp.optimizers.wrapper import OptimizerWrapper
+from keras_mp.optimizers.wrapper import overwrites_with_gradient
 
 # Keras 3 used to serialize these base-optimizer arguments for its
 # LossScaleOptimizer; configs holding their default values still load.
@@ -425,19 +426,12 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
         if self._unscale_in_step:
             # Part of the update that `apply_if` guards (see `run_step`), so
             # under XLA the multiply fuses with the optimizer's elementwise
-            # update. Gradients that overwrite their variable are not scaled.
-            keep = [
-                g is None or self._overwrite_variable_with_gradient(v)
-                for g, v in grads_and_vars
-            ]
+            # update. Gradients that overwrite their variable never get here
+            # (see `split_overwritten`).
             unscaled = backend_gradients.multiply_all(
-                [None if k else g for k, (g, _) in zip(keep, grads_and_vars)],
-                self._reciprocal_scale(),
+                [g for g, _ in grads_and_vars], self._reciprocal_scale()
             )
-            grads_and_vars = [
-                (g if k else u, v)
-                for k, u, (g, v) in zip(keep, unscaled, grads_and_vars)
-            ]
+            grads_and_vars = list(zip(unscaled, [v for _, v in grads_and_vars]))
         return super().transform_gradients(grads_and_vars)
 
     def run_step(self, grads_and_vars):
@@ -537,9 +531,15 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
         flags = [False] * len(self._trainable_variables)
         checks = iter(finite_per_gradient)
         for grad, variable in grads_and_vars:
-            if grad is not None:
-                index = self._get_variable_index(variable)
-                flags[index] = ops.logical_not(next(checks))
+            if grad is None:
+                continue
+            finite = next(checks)
+            # A non-finite amax history still skips the step, but is not
+            # the overflow to report: the gradient it came from is.
+            if not overwrites_with_gradient(variable):
+                flags[self._get_variable_index(variable)] = ops.logical_not(
+                    finite
+                )
         overflowed = ops.stack(
             [ops.convert_to_tensor(flag, "bool") for flag in flags]
         )

@@ -570,7 +570,11 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         with keras.name_scope(self.name, caller=self):
             self.build_wrapper(var_list)
             self._transforms.optimizer = self
-            self._transforms.build(var_list)
+            # Transforms never see the overwriting variables (see
+            # `split_overwritten`), so they keep no state for them.
+            self._transforms.build(
+                [v for v in var_list if not overwrites_with_gradient(v)]
+            )
         self.built = True
         if self.__dict__.get("_pending_restore"):
             self._commit_restore(deferred=True)
@@ -620,8 +624,10 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         def add_variable_from_reference(
             reference_variable, name=None, initializer="zeros"
         ):
-            if name in _keras_internals.NON_STATE_SLOT_NAMES or not (
-                keras.backend.is_float_dtype(reference_variable.dtype)
+            if (
+                name in _keras_internals.NON_STATE_SLOT_NAMES
+                or not keras.backend.is_float_dtype(reference_variable.dtype)
+                or overwrites_with_gradient(reference_variable)
             ):
                 return create_from_reference(
                     reference_variable, name, initializer
@@ -743,7 +749,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
                 dtype = keras.backend.standardize_dtype(
                     _keras_internals.stored_dtype(variable)
                 )
-                if dtype not in _HALF_DTYPES:
+                if dtype not in _HALF_DTYPES or overwrites_with_gradient(
+                    variable
+                ):
                     inner_var_list.append(variable)
                     continue
                 master = keras.Variable(
@@ -911,7 +919,13 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         return self._transforms(grads_and_vars)
 
     def apply_updates(self, grads_and_vars):
-        """Stage 6: the inner optimizer updates the variables."""
+        """Stage 6: the inner optimizer updates the variables.
+
+        `grads_and_vars` ends with the pairs of variables that overwrite
+        themselves with their gradient (`overwrite_with_gradient`, Keras's
+        float8 scales and amax histories), untransformed; an override must
+        pass them on to the inner optimizer as they are.
+        """
         model_variables = None
         if self._master_weights:
             model_variables = [v for _, v in grads_and_vars]
@@ -988,12 +1002,23 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build([v for _, v in grads_and_vars])
         self._check_gradient_dtypes(grads_and_vars)
+        grads_and_vars, overwritten = split_overwritten(grads_and_vars)
         if not skip_gradients_aggregation:
             grads_and_vars = self.transform_unaggregated_gradients(
                 grads_and_vars
             )
             grads_and_vars = self.aggregate_gradients(grads_and_vars)
-        self.run_step(grads_and_vars)
+            # A new amax history or scale per replica: the largest covers
+            # every replica's batch (their sum would overstate it).
+            overwritten = list(
+                zip(
+                    backend_gradients.all_reduce_max(
+                        [g for g, _ in overwritten]
+                    ),
+                    [v for _, v in overwritten],
+                )
+            )
+        self.run_step(grads_and_vars + overwritten)
         return self.iterations
 
     def run_step(self, grads_and_vars):
@@ -1005,7 +1030,14 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         self._transform_and_apply(grads_and_vars)
 
     def _transform_and_apply(self, grads_and_vars):
-        self.apply_updates(self.transform_gradients(grads_and_vars))
+        grads_and_vars, overwritten = split_overwritten(grads_and_vars)
+        # The overwriting pairs skip stage 5 and reach the innermost Keras
+        # optimizer as they are, which assigns them (keeping the max over
+        # an accumulation window); inside `apply_if`, so a skipped step
+        # leaves them too.
+        self.apply_updates(
+            self.transform_gradients(grads_and_vars) + overwritten
+        )
 
     def apply_if(self, condition, grads_and_vars):
         """Runs stages 5-6 only where the scalar bool `condition` holds.
@@ -1142,6 +1174,31 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
     def set_state(self, state):
         """Restores `get_state()`'s output; all or nothing on a mismatch."""
         self._transforms.set_state(state)
+
+
+def overwrites_with_gradient(variable):
+    """Whether `variable` is assigned its "gradient" as it is.
+
+    Keras's float8 layers keep their scales and amax histories in such
+    variables (`overwrite_with_gradient=True`): the "gradient" is the new
+    value. Nothing may unscale, clip, noise, decay or copy it.
+    """
+    return bool(getattr(variable, "overwrite_with_gradient", False))
+
+
+def split_overwritten(grads_and_vars):
+    """`(regular pairs, overwriting pairs)`, each in the given order.
+
+    The one place the pipeline sets the overwriting variables apart: they
+    skip stages 3 to 5 (aggregated by a cross-replica max instead) and are
+    assigned by the innermost Keras optimizer.
+    """
+    regular, overwritten = [], []
+    for pair in grads_and_vars:
+        (overwritten if overwrites_with_gradient(pair[1]) else regular).append(
+            pair
+        )
+    return regular, overwritten
 
 
 def transformed_loss(transform, loss, tape=None):
