@@ -127,6 +127,16 @@ def stored_dtype(variable):
     return variable._dtype
 
 
+def variable_layout(variable):
+    """A Keras variable's layout under `keras.distribution`, or None.
+
+    `_layout` is what Keras's own `add_variable_from_reference` passes on to
+    an optimizer slot (keras 3.0 - 3.15); a variable made for a model
+    variable takes it so it is sharded the same way.
+    """
+    return getattr(variable, "_layout", None)
+
+
 def accumulated_gradients(optimizer):
     """A Keras optimizer's gradient accumulators, one per trainable variable.
 

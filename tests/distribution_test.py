@@ -843,6 +843,55 @@ results["hidden_kernel_shard_shapes"] = [
 ]
 # Every device holds every row here: the whole batch is poisoned.
 skip_then_apply("model_parallel", model, optimizer, list(range(len(y))))
+
+
+# Optimizer state that keras_mp creates for the sharded kernel and bias
+# (float32 masters of a bfloat16 model, the Adam slots built on them,
+# Lookahead's slow weights, a transform's per-variable state), in bytes
+# per device.
+class Momentum(keras_mp.transforms.Transform):
+    def build(self, var_list):
+        self.momenta = [
+            self.add_variable_from_reference(v, "momentum") for v in var_list
+        ]
+
+    def call(self, grads_and_vars):
+        for momentum, (grad, _) in zip(self.momenta, grads_and_vars):
+            momentum.assign(0.9 * momentum.value + grad)
+        return grads_and_vars
+
+
+keras_mp.set_global_policy("bfloat16")
+model = make_model()
+optimizer = keras_mp.optimizers.Lookahead(
+    keras_mp.OptimizerWrapper(
+        keras.optimizers.Adam(0.01),
+        master_weights=True,
+        transform_gradients=[Momentum()],
+    )
+)
+model.compile(optimizer, "mean_squared_error")
+model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+# The transform's state follows the variables' order: the hidden layer's
+# kernel and bias come first.
+state = [
+    v
+    for v in optimizer.variables
+    if "hidden" in v.path or v.name in ("momentum_0", "momentum_1")
+]
+per_device = {}
+for variable in state:
+    for shard in variable.value.addressable_shards:
+        per_device[shard.device.id] = (
+            per_device.get(shard.device.id, 0) + shard.data.nbytes
+        )
+results["model_parallel_state_paths"] = sorted(v.path for v in state)
+results["model_parallel_state_bytes_per_device"] = [
+    per_device[i] for i in sorted(per_device)
+]
+results["model_parallel_state_bytes"] = sum(
+    int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in state
+)
 finish()
 """
 
@@ -917,6 +966,26 @@ def test_model_parallel_sharded_kernel_trains_like_one_device_and_skips_nan(
     _assert_skipped_on_every_replica(
         results, arrays, "model_parallel", replicated=False
     )
+
+
+@pytest.mark.backends("jax")
+def test_state_keras_mp_creates_is_sharded_like_its_model_variable(
+    jax_results,
+):
+    # Masters, their Adam slots, Lookahead's slow weights and a transform's
+    # state for the (None, "model") kernel and ("model",) bias: each device
+    # holds half, not a whole copy.
+    results, _ = jax_results
+    paths = results["model_parallel_state_paths"]
+    for part in ("_master", "master_momentum", "master_velocity", "slow"):
+        assert any(part in path for path in paths), (part, paths)
+    assert sum("momentum_" in path for path in paths) == 2, paths
+    total = results["model_parallel_state_bytes"]
+    per_device = results["model_parallel_state_bytes_per_device"]
+    print(
+        f"state for the sharded layer: {total} bytes, {per_device} per device"
+    )
+    assert per_device == [total // 2, total // 2]
 
 
 # --------------------------------------------------------------------------

@@ -754,12 +754,16 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
                 ):
                     inner_var_list.append(variable)
                     continue
+                # Laid out as its variable under `keras.distribution`, as
+                # the slots built on it then are: a sharded kernel's master
+                # is sharded too, not a whole copy on every device.
                 master = keras.Variable(
                     "zeros",
                     shape=variable.shape,
                     dtype="float32",
                     trainable=False,
                     name=f"{variable.path.replace('/', '_')}_master",
+                    layout=_keras_internals.variable_layout(variable),
                 )
                 self._master_variables[id(variable)] = master
                 self._state_precision_variables.append(master)

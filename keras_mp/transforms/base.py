@@ -210,6 +210,7 @@ class Transform:
         dtype="float32",
         name=None,
         aggregation="only_first_replica",
+        layout=None,
     ):
         """Creates a non-trainable state variable of this transform.
 
@@ -225,6 +226,9 @@ class Transform:
                 `"variable_<index>"`.
             aggregation: Keras variable aggregation. Defaults to
                 `"only_first_replica"`.
+            layout: Its layout under `keras.distribution` (a
+                `keras.distribution.TensorLayout` or a backend layout).
+                Defaults to `None` (the distribution's default).
 
         Returns:
             The Keras variable.
@@ -241,6 +245,7 @@ class Transform:
             autocast=False,
             aggregation=aggregation,
             name=name,
+            layout=layout,
         )
         return self._track_variable(variable)
 
@@ -249,8 +254,10 @@ class Transform:
     ):
         """Creates a state variable shaped like a model variable.
 
-        For per-variable state such as moments. The variable is named
-        `"<name>_<i>"`, `i` counting the variables made here with that name:
+        For per-variable state such as moments, laid out as the model
+        variable under `keras.distribution` (a sharded kernel's state is
+        sharded alike). The variable is named `"<name>_<i>"`, `i` counting
+        the variables made here with that name:
         by position, not by the model variable's path, which Keras changes
         when a model is reloaded, so `get_state()` of a model sets the state
         of its reloaded copy.
@@ -273,6 +280,7 @@ class Transform:
             initializer=initializer,
             dtype=dtype,
             name=f"{name}_{count}",
+            layout=_keras_internals.variable_layout(reference_variable),
         )
 
     def _track_variable(self, variable):
