@@ -19,6 +19,7 @@ from keras_mp import _keras_internals
 from keras_mp import callbacks as callbacks_module
 from keras_mp import policy as policy_module
 from keras_mp.backend import gradients as backend_gradients
+from keras_mp.optimizers import checkpointing
 from keras_mp.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras_mp.optimizers.loss_scale_optimizer import (
     _contains_loss_scale_optimizer,
@@ -128,6 +129,10 @@ def _install_compile_hook():
                     # wraps a LossScaleOptimizer must not be wrapped again.
                     arguments["auto_scale_loss"] = False
         result = original(*bound.args, **bound.kwargs)
+        if getattr(self, "optimizer", None) is not None:
+            # Whatever the policy: a checkpoint loaded before the first step
+            # must not be dropped (keras_mp's wrappers keep theirs too).
+            checkpointing.restore_at_build(self.optimizer)
         compile_config = getattr(self, "_compile_config", None)
         if not arguments["auto_scale_loss"] and compile_config is not None:
             # Keras does not save this flag; without it `load_model` would

@@ -236,3 +236,59 @@ def test_a_mismatched_checkpoint_leaves_the_optimizer_state_intact(tmp_path):
         target.load_weights(path)
     for variable, value in zip(target.optimizer.variables, before):
         assert_bitwise_equal(variable, value, msg=variable.path)
+
+
+# Plain Keras optimizers, which `compile` keeps under float32 and
+# mixed_bfloat16: Keras alone skips the state loaded into an optimizer that
+# is not built yet, and the resumed run starts from iterations 0.
+
+
+def _plain_state(model):
+    return [to_numpy(v) for v in model.optimizer.variables]
+
+
+@pytest.mark.parametrize("policy", [None, "mixed_bfloat16"])
+@pytest.mark.parametrize("how", ["load_weights", "model_checkpoint"])
+def test_plain_optimizer_restores_at_build_under_any_policy(
+    policy, how, tmp_path
+):
+    keras_mp.set_global_policy(policy)
+    path = str(tmp_path / "ckpt.weights.h5")
+    uninterrupted = _model()
+    _fit(uninterrupted, epochs=2)
+    first = _model()
+    if how == "model_checkpoint":
+        callback = keras.callbacks.ModelCheckpoint(path, save_weights_only=True)
+        _fit(first, epochs=1, callbacks=[callback])
+    else:
+        _fit(first, epochs=1)
+        first.save_weights(path)
+    fresh = _model()
+    assert isinstance(fresh.optimizer, keras.optimizers.Adam)
+    assert not isinstance(fresh.optimizer, keras_mp.OptimizerWrapper)
+    assert not fresh.optimizer.built
+    fresh.load_weights(path)
+    _fit(fresh, epochs=1)
+    assert int(to_numpy(fresh.optimizer.iterations)) == 2 * STEPS_PER_EPOCH
+    for a, b in zip(fresh.weights, uninterrupted.weights, strict=True):
+        assert_close(a, b, msg=a.path)
+    for a, b in zip(
+        _plain_state(fresh), _plain_state(uninterrupted), strict=True
+    ):
+        assert_close(a, b)
+
+
+def test_plain_optimizer_drops_a_mismatched_checkpoint_at_build_with_a_warning(
+    tmp_path,
+):
+    path = str(tmp_path / "sgd.weights.h5")
+    first = _model()
+    first.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")
+    _fit(first, epochs=1)
+    first.save_weights(path)
+    fresh = _model()
+    fresh.load_weights(path)
+    with pytest.warns(UserWarning, match="Dropped the state of optimizer"):
+        _fit(fresh, epochs=1)
+    # Adam started fresh: one epoch of its own steps, no SGD momentum.
+    assert int(to_numpy(fresh.optimizer.iterations)) == STEPS_PER_EPOCH
