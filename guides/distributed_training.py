@@ -17,11 +17,15 @@ The section that runs is chosen by the backend:
   this machine, each started with its own `TF_CONFIG`.
 - JAX: `keras.distribution.DataParallel` (the batch split across devices),
   then `keras.distribution.ModelParallel` (a Dense kernel split across
-  devices), both with `fit`.
+  devices), both with `fit`; then two processes on this machine joined by
+  `keras.distribution.initialize` (CPU collectives over gloo), training
+  under one `DataParallel` with `fit`.
 - PyTorch: Keras has no distribution API for torch. Two processes on this
-  machine join a `torch.distributed` process group (gloo, 127.0.0.1) and
-  pass `aggregate_gradients=` a callable that all-reduces the gradients;
-  each runs a `backward()` + `apply` loop on its half of every batch.
+  machine join a `torch.distributed` process group (gloo, 127.0.0.1). Each
+  trains on its half of every batch: first passing `aggregate_gradients=`
+  a callable that all-reduces the gradients, then a Keras model wrapped in
+  `torch.nn.parallel.DistributedDataParallel` with the loop of Keras's DDP
+  guide, then gradient accumulation under DDP's `no_sync`.
 
 On a machine without accelerators the CPU is split into two devices, so
 every section runs anywhere. Each ends with one batch that is NaN on one
@@ -31,6 +35,18 @@ device only, and shows that every device skipped it.
     KERAS_BACKEND=jax python guides/distributed_training.py
     KERAS_BACKEND=torch python guides/distributed_training.py
     python guides/distributed_training.py --quick    # a few steps (CI)
+
+The guide starts its worker processes itself. On several machines, start
+one per machine (or per accelerator) with its index and the address of
+process 0; by hand on this machine, for a free port (here 12355):
+
+    KERAS_BACKEND=jax python guides/distributed_training.py \
+        --worker 0 --coordinator 127.0.0.1:12355 &
+    KERAS_BACKEND=jax python guides/distributed_training.py \
+        --worker 1 --coordinator 127.0.0.1:12355
+
+and the same with `KERAS_BACKEND=torch` (the PyTorch processes). The
+TensorFlow workers take a `TF_CONFIG` instead (see `start_workers`).
 """
 
 import argparse
@@ -68,8 +84,13 @@ def parse_args(argv=None):
         "--worker",
         type=int,
         default=None,
-        help="run as this MultiWorkerMirroredStrategy worker or torch "
-        "process (set by the guide itself when it starts them)",
+        help="run as this MultiWorkerMirroredStrategy worker, JAX process "
+        "or torch process (set by the guide itself when it starts them)",
+    )
+    parser.add_argument(
+        "--coordinator",
+        default=None,
+        help="HOST:PORT of process 0, for the JAX and torch processes",
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -305,7 +326,12 @@ def wait_for_workers(processes, timeout=240):
                 process.wait()
     checksums = []
     for output in outputs:
-        *lines, result = output.strip().splitlines()
+        # gloo's own connection messages left out.
+        *lines, result = [
+            line
+            for line in output.rstrip().splitlines()
+            if not line.startswith("[Gloo]")
+        ]
         # The last line is the worker's result, sent as JSON.
         result = json.loads(result)
         checksums.append(result["checksum"])
@@ -379,9 +405,78 @@ def rows_on_last_device(distribution):
     return list(range(GLOBAL_BATCH_SIZE)[index[0]])
 
 
+# ## JAX: several processes
+#
+# Each process (usually one per machine) calls
+# `keras.distribution.initialize` before JAX runs anything, with the address
+# of process 0, the number of processes and its own index; `jax.devices()`
+# then lists every process's devices, and a `DataParallel` over them spans
+# the processes. On CPUs the processes' collectives run over gloo, the
+# default of `jax_cpu_collectives_implementation` in jax 0.10 (where it is
+# not, set `JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo` before JAX starts).
+#
+# Each process passes only its own rows to `fit` (`auto_shard_dataset=False`:
+# with auto-sharding, Keras wants a `tf.data.Dataset` to shard), and Keras
+# assembles the global batch. The jitted step sums the gradients across
+# processes, so one process's NaN makes every process skip.
+
+
+def run_jax_process(rank, steps, coordinator):
+    import jax
+
+    keras.distribution.initialize(
+        job_addresses=coordinator, num_processes=2, process_id=rank
+    )
+    set_policy()
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(
+            devices=jax.devices(), auto_shard_dataset=False
+        )
+    )
+    model = make_model()
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+    model.compile(optimizer, "mean_squared_error")
+    x, y = make_data(steps + 1)
+    local = [local_batch(x, y, step, rank) for step in range(steps + 1)]
+    x_local = np.concatenate([batch[0] for batch in local])
+    y_local = np.concatenate([batch[1] for batch in local])
+    half = GLOBAL_BATCH_SIZE // 2
+    history = model.fit(
+        x_local[:-half], y_local[:-half], batch_size=half, verbose=0
+    )
+    report(
+        f"process {rank}",
+        optimizer,
+        history.history["loss"][-1],
+        "last-epoch mean",
+    )
+    weights = [keras.ops.convert_to_numpy(w) for w in model.weights]
+    if rank == 1:
+        y_local[-half] = np.nan  # the last batch is NaN in process 1 only
+    model.fit(x_local[-half:], y_local[-half:], batch_size=half, verbose=0)
+    unchanged = all(
+        np.array_equal(keras.ops.convert_to_numpy(w), before)
+        for w, before in zip(model.weights, weights)
+    )
+    print(
+        f"  NaN in process 1's rows: process {rank} skipped the step "
+        f"(weights unchanged: {unchanged}), loss scale now "
+        f"{to_float(optimizer.loss_scale.loss_scale)}"
+    )
+    checksum = sum(
+        float(np.sum(keras.ops.convert_to_numpy(w))) for w in model.weights
+    )
+    print(json.dumps({"worker": rank, "checksum": checksum}))
+
+
 def run_jax(steps):
     import jax
 
+    # The processes take a while to start: they go first. One CPU device
+    # each, so that the two are the mesh's devices.
+    processes = start_processes(
+        steps, {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    )
     set_policy()
     devices = jax.devices()
 
@@ -413,8 +508,8 @@ def run_jax(steps):
     kernel = model.get_layer("hidden").kernel.value
     shapes = [tuple(shard.data.shape) for shard in kernel.addressable_shards]
     print(f"  hidden kernel {tuple(kernel.shape)}, shards {shapes}")
-    # On several hosts, each process calls keras.distribution.initialize()
-    # first and then runs this same code.
+    print("DataParallel over two processes on this machine:")
+    wait_for_workers(processes)
 
 
 # ## PyTorch: torch.distributed and `aggregate_gradients=`
@@ -442,13 +537,13 @@ def all_reduce_mean(grads_and_vars):
     return grads_and_vars
 
 
-def run_torch_process(rank, steps):
+def run_torch_process(rank, steps, coordinator):
     import torch
     import torch.distributed as dist
 
     dist.init_process_group(
         "gloo",
-        init_method=os.environ["KERAS_MP_GUIDE_INIT_METHOD"],
+        init_method=f"tcp://{coordinator}",
         rank=rank,
         world_size=2,
     )
@@ -480,32 +575,146 @@ def run_torch_process(rank, steps):
             # The last batch is NaN in process 1 only.
             y_step[0] = np.nan
         loss = train_step(torch.as_tensor(x_step), torch.as_tensor(y_step))
-    report(f"process {rank}", optimizer, to_float(loss), "last-step")
+    report(
+        f"aggregate_gradients=, process {rank}",
+        optimizer,
+        to_float(loss),
+        "last-step",
+    )
+    models = [model, ddp_train(rank, steps), no_sync_train(rank, steps)]
     checksum = sum(
-        float(np.sum(keras.ops.convert_to_numpy(w))) for w in model.weights
+        float(np.sum(keras.ops.convert_to_numpy(w)))
+        for trained in models
+        for w in trained.weights
     )
     dist.destroy_process_group()
     print(json.dumps({"worker": rank, "checksum": checksum}))
 
 
-def run_torch(steps):
-    print("torch.distributed (gloo), two processes on this machine:")
-    env = dict(
-        os.environ,
-        KERAS_MP_GUIDE_INIT_METHOD=f"tcp://127.0.0.1:{free_port()}",
+# ## PyTorch: DistributedDataParallel
+#
+# The loop of Keras's guide "Multi-GPU distributed training with PyTorch":
+# the Keras model (a `torch.nn.Module` on this backend) is wrapped in
+# `DistributedDataParallel`, called on the batch, and `backward()` makes
+# DDP all-reduce (average) the gradients; the optimizer then sees the same
+# gradients in every process. With a keras_mp `LossScaleOptimizer` the loop
+# only gains `scale_loss` before `backward()` and calls `apply` with the
+# scaled gradients (no `aggregate_gradients=` needed: DDP aggregated them).
+# On GPUs pass `device_ids=[rank]` to DDP and use "nccl".
+#
+# For a float16 all-reduce, register DDP's compression hook,
+# `ddp_model.register_comm_hook(None, default_hooks.fp16_compress_hook)`
+# (from `torch.distributed.algorithms.ddp_comm_hooks`): DDP all-reduces in
+# backward, before the optimizer, so `aggregate_in_float16=True` cannot
+# change that sum and raises a ValueError that says so.
+
+
+def local_batch(x, y, step, rank):
+    half = GLOBAL_BATCH_SIZE // 2
+    start = step * GLOBAL_BATCH_SIZE + rank * half
+    return x[start : start + half], y[start : start + half].copy()
+
+
+def ddp_train(rank, steps):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = make_model()
+    ddp_model = DistributedDataParallel(model)
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+    loss_fn = keras.losses.MeanSquaredError()
+    variables = model.trainable_variables
+    x, y = make_data(steps + 1)
+    for step in range(steps + 1):
+        x_step, y_step = local_batch(x, y, step, rank)
+        if step == steps and rank == 1:
+            y_step[0] = np.nan  # the last batch is NaN in process 1 only
+        ddp_model.zero_grad()
+        loss = loss_fn(
+            torch.as_tensor(y_step), ddp_model(torch.as_tensor(x_step))
+        )
+        optimizer.scale_loss(loss).backward()  # DDP all-reduces here
+        with torch.no_grad():
+            optimizer.apply([v.value.grad for v in variables], variables)
+    report(f"DDP, process {rank}", optimizer, to_float(loss), "last-step")
+    return model
+
+
+# ## PyTorch: gradient accumulation under DDP's `no_sync`
+#
+# To update once per several micro-batches without an all-reduce per
+# micro-batch, torch's recipe keeps the gradients in the parameters'
+# `.grad`: the micro-batches before the last run under `ddp_model.no_sync()`
+# (no all-reduce, each process's `.grad` holds its own sum), the last one's
+# `backward()` all-reduces the whole window's sum, and `apply` runs once per
+# window. A NaN in any micro-batch of any process reaches that sum, so
+# every process skips the window.
+#
+# An inner optimizer with Keras's `gradient_accumulation_steps` keeps its
+# own accumulators instead, which under `no_sync` hold each process's own
+# gradients: keras_mp then reduces the window's finite flag with MAX across
+# processes, so that a non-finite micro-step in one process makes every
+# process discard the window, but the applied windows would differ between
+# processes. Under `no_sync`, accumulate in `.grad` as here.
+
+
+def no_sync_train(rank, steps, micro_batches=2):
+    import contextlib
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = make_model()
+    ddp_model = DistributedDataParallel(model)
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+    loss_fn = keras.losses.MeanSquaredError()
+    variables = model.trainable_variables
+    x, y = make_data((steps + 1) * micro_batches)
+    for window in range(steps + 1):
+        ddp_model.zero_grad()
+        for micro in range(micro_batches):
+            x_step, y_step = local_batch(
+                x, y, window * micro_batches + micro, rank
+            )
+            if window == steps and micro == 0 and rank == 1:
+                y_step[0] = np.nan  # the first micro-batch of process 1
+            last = micro == micro_batches - 1
+            with contextlib.nullcontext() if last else ddp_model.no_sync():
+                loss = loss_fn(
+                    torch.as_tensor(y_step), ddp_model(torch.as_tensor(x_step))
+                )
+                optimizer.scale_loss(loss / micro_batches).backward()
+        with torch.no_grad():
+            optimizer.apply([v.value.grad for v in variables], variables)
+    report(
+        f"no_sync, process {rank}",
+        optimizer,
+        to_float(loss),
+        "last-micro-batch",
     )
-    processes = [
+    return model
+
+
+def start_processes(steps, env=None):
+    # Processes of one job: the same script with its index and process 0's
+    # address.
+    coordinator = f"127.0.0.1:{free_port()}"
+    return [
         subprocess.Popen(
             [sys.executable, __file__, "--worker", str(rank)]
-            + ["--steps", str(steps)],
-            env=env,
+            + ["--steps", str(steps), "--coordinator", coordinator],
+            env=dict(os.environ, **(env or {})),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
         for rank in range(2)
     ]
-    wait_for_workers(processes)
+
+
+def run_torch(steps):
+    print("torch.distributed (gloo), two processes on this machine:")
+    wait_for_workers(start_processes(steps))
 
 
 def main(argv=None):
@@ -513,7 +722,9 @@ def main(argv=None):
     backend = keras.backend.backend()
     if args.worker is not None:
         if backend == "torch":
-            run_torch_process(args.worker, args.steps)
+            run_torch_process(args.worker, args.steps, args.coordinator)
+        elif backend == "jax":
+            run_jax_process(args.worker, args.steps, args.coordinator)
         else:
             run_worker(args.worker, args.steps)
         return

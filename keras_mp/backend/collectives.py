@@ -1,4 +1,11 @@
-"""Collective keys of tf.distribute strategies: what `keras.ops` cannot express.
+"""Collectives that `keras.ops` cannot express.
+
+Across PyTorch processes (`torch.distributed`): the finite flag of a step,
+reduced so that every process decides alike (`all_processes_finite`), and
+the check that `aggregate_in_float16` can take effect
+(`check_float16_aggregation`).
+
+Collective keys of tf.distribute strategies:
 
 Every `MirroredStrategy` of a process numbers its collectives from the same
 group key and instance key 100, and TensorFlow's collective runtime remembers
@@ -73,3 +80,77 @@ def _renumber(extended):
         extended._cross_device_ops = renumbered
     extended._collective_ops = renumbered
     extended._collective_keys = keys
+
+
+def _torch_world_size():
+    """Processes in torch's default process group (1 when there is none)."""
+    if keras.backend.backend() != "torch":
+        return 1
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size()
+
+
+def all_processes_finite(is_finite):
+    """Whether `is_finite` holds in every torch.distributed process.
+
+    Under DistributedDataParallel's `no_sync`, each process accumulates its
+    own local gradients until the last micro-step of a window, so a NaN in
+    one process's rows makes only its own flag False. Reduced with MAX (of
+    "not finite"), as torch's `ShardedGradScaler` reduces `found_inf`, the
+    flag is the same in every process and they all discard the window
+    together. One scalar all-reduce, queued on the device like the
+    gradients' (no host read); every process must make the same calls.
+
+    Args:
+        is_finite: A bool scalar tensor of this process.
+
+    Returns:
+        The flag of every process; `is_finite` itself outside PyTorch or
+        without a process group of several processes.
+    """
+    if _torch_world_size() == 1:
+        return is_finite
+    import torch
+    import torch.distributed as dist
+
+    # gloo has no MAX for bool tensors; int32 it has.
+    not_finite = torch.logical_not(is_finite).to(torch.int32)
+    dist.all_reduce(not_finite, op=dist.ReduceOp.MAX)
+    return not_finite == 0
+
+
+def check_float16_aggregation(has_aggregate_gradients_fn):
+    """Refuses `aggregate_in_float16=True` where it would do nothing.
+
+    On PyTorch keras_mp sums no gradients across processes itself: under
+    DistributedDataParallel they are all-reduced in `backward()`, in their
+    own dtype, before the optimizer sees them. Only an `aggregate_gradients`
+    callable (which then receives float16 gradients) or DDP's own
+    compression hook can make that sum float16.
+
+    Args:
+        has_aggregate_gradients_fn: Whether the optimizer was given an
+            `aggregate_gradients` callable.
+
+    Raises:
+        ValueError: on PyTorch with several processes and no callable.
+    """
+    world_size = _torch_world_size()
+    if world_size == 1 or has_aggregate_gradients_fn:
+        return
+    raise ValueError(
+        "`aggregate_in_float16=True` all-reduces scaled gradients in "
+        "float16, but on PyTorch keras_mp does not all-reduce them: "
+        "DistributedDataParallel does, in `backward()`, in float32, before "
+        "the optimizer sees them. Received: aggregate_in_float16=True with "
+        f"a torch.distributed process group of {world_size} processes and "
+        "no `aggregate_gradients` callable. For a float16 all-reduce under "
+        "DDP, leave aggregate_in_float16=False and register DDP's hook: "
+        "`ddp_model.register_comm_hook(None, torch.distributed.algorithms."
+        "ddp_comm_hooks.default_hooks.fp16_compress_hook)`. Or pass "
+        "`aggregate_gradients=` a callable that all-reduces the gradients "
+        "(it then receives them in float16)."
+    )

@@ -12,6 +12,7 @@ from keras import ops
 from keras_mp import _config
 from keras_mp import _keras_internals
 from keras_mp import loss_scale as loss_scale_module
+from keras_mp.backend import collectives
 from keras_mp.backend import gradients as backend_gradients
 from keras_mp.optimizers.wrapper import OptimizerWrapper
 from keras_mp.optimizers.wrapper import overwrites_with_gradient
@@ -397,6 +398,10 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
     def aggregate_gradients(self, grads_and_vars):
         if not self.aggregate_in_float16:
             return super().aggregate_gradients(grads_and_vars)
+        # Never a silent no-op: on PyTorch only a callable can sum in float16.
+        collectives.check_float16_aggregation(
+            self._aggregate_gradients_fn is not None
+        )
         dtypes = [None if g is None else g.dtype for g, _ in grads_and_vars]
         half = [
             (
@@ -472,6 +477,9 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
         """
         base = self._base_optimizer()
         steps = base.gradient_accumulation_steps
+        # Under DDP's `no_sync` each process's micro-step gradients are its
+        # own: the window's verdict must be every process's.
+        is_finite = collectives.all_processes_finite(is_finite)
         window_finite = ops.logical_and(
             ops.cast(self._window_finite.value, "bool"), is_finite
         )
