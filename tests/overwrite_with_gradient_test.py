@@ -182,3 +182,67 @@ def test_nonfinite_overwriting_gradient_skips_the_step_and_is_not_reported(
     assert int(to_numpy(optimizer.skipped_steps)) == 1
     assert float(to_numpy(optimizer.loss_scale())) == 2.0
     assert list(optimizer.overflow_report()) == []
+
+
+_MIRRORED = """
+import json
+
+import tensorflow as tf
+
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+)
+import keras
+import numpy as np
+
+import keras_mp
+
+rng = np.random.RandomState(0)
+x = rng.randn(32, 16).astype("float32")
+x[16:] *= 10  # the second replica's rows hold the largest inputs
+y = rng.randn(32, 4).astype("float32")
+
+
+def float8_state(strategy):
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((16,)), keras.layers.Dense(32), keras.layers.Dense(4)]
+        )
+        model.quantize("float8")
+        model.compile(
+            keras_mp.OptimizerWrapper(keras.optimizers.Adam(0.0)), loss="mse"
+        )
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    return [
+        keras.ops.convert_to_numpy(v).tolist()
+        for v in model.trainable_weights
+        if v.overwrite_with_gradient
+    ]
+
+
+one = float8_state(tf.distribute.get_strategy())
+two = float8_state(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+print("RESULT " + json.dumps({"one": one, "two": two}))
+"""
+
+
+@pytest.mark.backends("tensorflow")
+@pytest.mark.slow
+def test_mirrored_replicas_record_the_largest_amax_as_one_device_does():
+    # Each replica computes a new amax history from its half of the batch:
+    # the max of the two is the one device's (a sum would overstate it,
+    # the first replica's alone, as Keras's optimizer keeps, understate it).
+    import json
+
+    from keras_mp.testing import run_python
+
+    out = run_python(_MIRRORED, env={"KERAS_BACKEND": "tensorflow"})
+    line = [row for row in out.splitlines() if row.startswith("RESULT ")][-1]
+    result = json.loads(line[len("RESULT ") :])
+    assert len(result["one"]) == 12
+    for one, two in zip(result["one"], result["two"], strict=True):
+        assert_bitwise_equal(
+            np.asarray(two, "float32"), np.asarray(one, "float32")
+        )
