@@ -292,3 +292,61 @@ def test_plain_optimizer_drops_a_mismatched_checkpoint_at_build_with_a_warning(
         _fit(fresh, epochs=1)
     # Adam started fresh: one epoch of its own steps, no SGD momentum.
     assert int(to_numpy(fresh.optimizer.iterations)) == STEPS_PER_EPOCH
+
+
+@keras.saving.register_keras_serializable(package="keras_mp_tests")
+class _TaskLikeModel(keras.Model):
+    """A model built as keras-hub builds its tasks (`BertTextClassifier`).
+
+    Its constructor compiles with default arguments and it overrides
+    `compile`, so `load_model` does not compile it from the saved config
+    (Keras warns) and its optimizer is not built when the saved state
+    loads. Checked on keras-hub 0.32 itself: without keras_mp a reloaded
+    classifier resumed at iterations 0 with its default learning rate.
+    """
+
+    def __init__(self, units=8, **kwargs):
+        inputs = keras.Input((4,))
+        hidden = keras.layers.Dense(units, activation="relu")(inputs)
+        outputs = keras.layers.Dense(1, dtype="float32")(hidden)
+        super().__init__(inputs, outputs, **kwargs)
+        self.units = units
+        self.compile()
+
+    def compile(self, optimizer=None, loss="mse", **kwargs):
+        super().compile(
+            optimizer=optimizer or keras.optimizers.Adam(1e-4),
+            loss=loss,
+            **kwargs,
+        )
+
+    def get_config(self):
+        return {"units": self.units, "name": self.name}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+
+@pytest.mark.parametrize("policy", [None, "mixed_bfloat16"])
+def test_a_task_reloaded_with_load_model_resumes_exactly(policy, tmp_path):
+    keras_mp.set_global_policy(policy)
+    keras.utils.set_random_seed(0)
+    model = _TaskLikeModel()
+    model.compile(keras.optimizers.Adam(0.01))
+    _fit(model, epochs=1)
+    path = str(tmp_path / "task.keras")
+    model.save(path)
+    with pytest.warns(UserWarning, match="compile"):
+        restored = keras.saving.load_model(path)
+    assert not restored.optimizer.built
+    _fit(model, epochs=1)
+    _fit(restored, epochs=1)
+    assert int(to_numpy(restored.optimizer.iterations)) == 2 * STEPS_PER_EPOCH
+    assert float(to_numpy(restored.optimizer.learning_rate)) == pytest.approx(
+        0.01
+    )
+    for a, b in zip(restored.weights, model.weights, strict=True):
+        assert_close(a, b, msg=a.path)
+    for a, b in zip(_plain_state(restored), _plain_state(model), strict=True):
+        assert_close(a, b)
