@@ -295,7 +295,7 @@ def test_plain_optimizer_drops_a_mismatched_checkpoint_at_build_with_a_warning(
 
 
 @keras.saving.register_keras_serializable(package="keras_mp_tests")
-class _TaskLikeModel(keras.Model):
+class TaskLikeModel(keras.Model):
     """A model built as keras-hub builds its tasks (`BertTextClassifier`).
 
     Its constructor compiles with default arguments and it overrides
@@ -332,7 +332,7 @@ class _TaskLikeModel(keras.Model):
 def test_a_task_reloaded_with_load_model_resumes_exactly(policy, tmp_path):
     keras_mp.set_global_policy(policy)
     keras.utils.set_random_seed(0)
-    model = _TaskLikeModel()
+    model = TaskLikeModel()
     model.compile(keras.optimizers.Adam(0.01))
     _fit(model, epochs=1)
     path = str(tmp_path / "task.keras")
