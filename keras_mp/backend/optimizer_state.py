@@ -4,6 +4,7 @@ import keras
 from keras import ops
 
 from keras_mp import _keras_internals
+from keras_mp import _random_bits
 
 # Whether the fused PyTorch update below may run (tests turn it off to
 # compare it with the per-variable path it replaces).
@@ -223,8 +224,6 @@ class FusedStateUpdate:
 
         if not self._stochastic_rounding or not slots_per_variable:
             return None
-        from keras_mp.optimizers.wrapper import _hash32
-
         seed_state = self._seed_generator().state
         state = seed_state.value
         draws = layout.variables * slots_per_variable
@@ -232,7 +231,7 @@ class FusedStateUpdate:
         draw = torch.arange(draws, dtype=torch.int32).view(
             layout.variables, slots_per_variable
         )
-        keys = _hash32(base + draw)
+        keys = _random_bits.hash32(base + draw)
         seed_state.assign(state + layout.increment(draws))
         # Each segment's first element is element `start` of its variable
         # and sits at `offset` in the batch's index buffer.
@@ -418,9 +417,10 @@ class FusedStateUpdate:
 
 
 def _hash32_in_place(x, temporary):
-    """`wrapper._hash32` on int32 `x`, in place; only the low 16 bits of the
-    result are right (the caller keeps only those): the last logical shift
-    is an arithmetic one, which differs from it in the high bits only."""
+    """`keras_mp._random_bits.hash32` on int32 `x`, in place; only the low
+    16 bits of the result are right (the caller keeps only those): the last
+    logical shift is an arithmetic one, which differs from it in the high
+    bits only."""
     import torch
 
     torch.bitwise_right_shift(x, 16, out=temporary)

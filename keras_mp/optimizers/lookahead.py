@@ -5,8 +5,8 @@ import numbers
 import keras
 from keras import ops
 
+from keras_mp.optimizers.overwrite_with_gradient import overwrites_with_gradient
 from keras_mp.optimizers.wrapper import OptimizerWrapper
-from keras_mp.optimizers.wrapper import overwrites_with_gradient
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")

@@ -14,8 +14,8 @@ from keras_mp import _keras_internals
 from keras_mp import loss_scale as loss_scale_module
 from keras_mp.backend import collectives
 from keras_mp.backend import gradients as backend_gradients
+from keras_mp.optimizers.overwrite_with_gradient import overwrites_with_gradient
 from keras_mp.optimizers.wrapper import OptimizerWrapper
-from keras_mp.optimizers.wrapper import overwrites_with_gradient
 
 # Keras 3 used to serialize these base-optimizer arguments for its
 # LossScaleOptimizer; configs holding their default values still load.

@@ -1,0 +1,459 @@
+"""Optimizer-state precision: `state_dtype`, stochastic rounding, masters.
+
+`StatePrecisionMixin`, a base of `OptimizerWrapper`: 16-bit slots of the
+innermost Keras optimizer (created, updated in float32 and stored rounded,
+to nearest or stochastically), float32 master copies of 16-bit weights, and
+the matching of their checkpoint values. Imports `keras_mp.backend`,
+`keras_mp._random_bits` and `keras_mp._keras_internals`; never
+`optimizers/wrapper.py` or a module above it.
+"""
+
+import random
+import warnings
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_mp import _keras_internals
+from keras_mp import _random_bits
+from keras_mp.backend import gradients as backend_gradients
+from keras_mp.backend import optimizer_state
+from keras_mp.optimizers.overwrite_with_gradient import overwrites_with_gradient
+
+# The dtypes `state_dtype` takes. float16 state only suits slots that stay
+# within its range (it flushes Adam's squared gradients below 6e-8 to zero);
+# bfloat16 has float32's range.
+_STATE_DTYPES = ("bfloat16", "float16", "float32")
+_HALF_DTYPES = ("bfloat16", "float16")
+
+
+class StatePrecisionMixin:
+    """State dtype, stochastic rounding and master weights of a wrapper.
+
+    Set up by `_init_state_precision` (from the wrapper's constructor) and
+    `_build_state_precision` (from `build`, before the inner optimizer is
+    built); `apply_updates` maps gradients onto the masters with
+    `_to_master_weights` and writes them back after the update.
+    """
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Excludes variables from the inner optimizer's weight decay."""
+        if self._master_weights:
+            # The inner optimizer updates the masters, created at build:
+            # the request is passed on for them then.
+            self.__dict__["_weight_decay_exclusions"] = (
+                list(var_list or []),
+                var_names,
+            )
+        self._inner_optimizer.exclude_from_weight_decay(
+            var_list=var_list, var_names=var_names
+        )
+
+    def _init_state_precision(
+        self, state_dtype, stochastic_rounding, master_weights
+    ):
+        # Plain containers, set past Keras's attribute tracking, which
+        # would also list the variables they hold in `self._variables`.
+        self.__dict__.update(
+            _state_dtype=state_dtype,
+            _stochastic_rounding=stochastic_rounding,
+            _master_weights=master_weights,
+            _state_precision_variables=[],
+            _master_variables={},
+            _weight_decay_exclusions=None,
+            # Drawn now, as Keras layers draw theirs, not at build: after
+            # `keras.utils.set_random_seed`, an optimizer created alike
+            # rounds alike however many others are built before it trains.
+            _stochastic_rounding_seed=(
+                random.randint(1, int(1e9)) if stochastic_rounding else None
+            ),
+        )
+        if state_dtype is not None:
+            self._install_state_dtype(self._base_optimizer())
+
+    def _install_state_dtype(self, base):
+        """Hooks the base optimizer's slot creation and slot stores.
+
+        Keras optimizers create their slots with `add_variable_from_reference`,
+        update each variable in `update_step` and store with
+        `self.assign`/`assign_add`/`assign_sub`. The hooks, set on this
+        instance only, create slots in `state_dtype`, run `update_step` for
+        a float32 variable in a float32 autocast scope (so every read of a
+        slot is upcast and the update's math is float32), and compute each
+        slot store in float32, rounding once at the end.
+        """
+        state_dtype = self._state_dtype
+        slot_ids = set()
+        create_from_reference = base.add_variable_from_reference
+        create = base.add_variable
+        # Set while `add_variable_from_reference` creates a slot, whose
+        # `add_variable` call then gets the state dtype.
+        creating_slot = []
+
+        def add_variable_from_reference(
+            reference_variable, name=None, initializer="zeros"
+        ):
+            if (
+                name in _keras_internals.NON_STATE_SLOT_NAMES
+                or not keras.backend.is_float_dtype(reference_variable.dtype)
+                or overwrites_with_gradient(reference_variable)
+            ):
+                return create_from_reference(
+                    reference_variable, name, initializer
+                )
+            creating_slot.append(True)
+            try:
+                slot = create_from_reference(
+                    reference_variable, name, initializer
+                )
+            finally:
+                creating_slot.pop()
+            slot_ids.add(id(slot))
+            return slot
+
+        def add_variable(*args, **kwargs):
+            if creating_slot:
+                kwargs["dtype"] = state_dtype
+            return create(*args, **kwargs)
+
+        base.__dict__["add_variable_from_reference"] = (
+            add_variable_from_reference
+        )
+        base.__dict__["add_variable"] = add_variable
+        if state_dtype not in _HALF_DTYPES:
+            # float32 slots store the float32 result as it is. Torch's bulk
+            # updates could not store into slots of another dtype than the
+            # variable's.
+            optimizer_state.route_updates_through_update_step(base)
+            return
+        assign = base.assign
+        round_state = self._round_state
+
+        def store(combine):
+            def hooked(variable, value):
+                if id(variable) in slot_ids:
+                    value = round_state(combine(variable, value))
+                    target = assign
+                else:
+                    target = combine.original
+                # Stored outside the float32 scope: the backend's store reads
+                # the variable itself, not an upcast copy of it.
+                with _keras_internals.without_autocast():
+                    return target(variable, value)
+
+            return hooked
+
+        update_step = base.update_step
+
+        def hooked_update_step(gradient, variable, learning_rate):
+            if keras.backend.standardize_dtype(variable.dtype) != "float32":
+                # A 16-bit variable's update stays in its dtype, as Keras
+                # computes it; `master_weights` gives it float32 math.
+                return update_step(gradient, variable, learning_rate)
+            with _keras_internals.AutocastScope("float32"):
+                return update_step(gradient, variable, learning_rate)
+
+        base.__dict__["update_step"] = hooked_update_step
+        # Torch's bulk updates could not store into slots of another dtype
+        # than the variable's, nor round them: the update goes through
+        # `update_step` and the hooks below, or on PyTorch, for Keras's
+        # Adam, AdamW, SGD and RMSprop, through the same update fused into
+        # a few in-place calls per batch of elements.
+        optimizer_state.route_updates_through_update_step(
+            base,
+            optimizer_state.FusedStateUpdate(
+                base,
+                state_dtype,
+                self._stochastic_rounding,
+                seed_generator=lambda: self._seed_generator,
+                update_step=hooked_update_step,
+            )
+            if keras.backend.backend() == "torch"
+            else None,
+        )
+        # Without XLA, TensorFlow runs each cast of a slot (read upcast,
+        # store rounded) as a kernel pass of its own.
+        optimizer_state.compile_update_with_xla(base)
+
+        for name, combine in (
+            ("assign", lambda variable, value: ops.cast(value, "float32")),
+            (
+                "assign_add",
+                lambda variable, value: ops.add(
+                    ops.cast(variable, "float32"), ops.cast(value, "float32")
+                ),
+            ),
+            (
+                "assign_sub",
+                lambda variable, value: ops.subtract(
+                    ops.cast(variable, "float32"), ops.cast(value, "float32")
+                ),
+            ),
+        ):
+            combine.original = getattr(base, name)
+            base.__dict__[name] = store(combine)
+
+    def _round_state(self, value):
+        """A float32 `value` stored in `state_dtype`."""
+        if self._stochastic_rounding:
+            return stochastic_round_to_bfloat16(value, self._seed_generator)
+        return ops.cast(value, self._state_dtype)
+
+    def _build_state_precision(self, var_list):
+        """Creates the seed state and the masters; the inner optimizer's list.
+
+        Called by `build` before the inner optimizer is built, which then
+        builds on the masters in place of their variables.
+        """
+        if self._stochastic_rounding:
+            self._seed_generator = keras.random.SeedGenerator(
+                seed=self._stochastic_rounding_seed, name="stochastic_rounding"
+            )
+            self._state_precision_variables.append(self._seed_generator.state)
+        if not self._master_weights:
+            return var_list
+        inner_var_list = []
+        with keras.name_scope(self.name, caller=self):
+            for variable in var_list:
+                dtype = keras.backend.standardize_dtype(
+                    _keras_internals.stored_dtype(variable)
+                )
+                if dtype not in _HALF_DTYPES or overwrites_with_gradient(
+                    variable
+                ):
+                    inner_var_list.append(variable)
+                    continue
+                # Laid out as its variable under `keras.distribution`, as
+                # the slots built on it then are: a sharded kernel's master
+                # is sharded too, not a whole copy on every device.
+                master = keras.Variable(
+                    "zeros",
+                    shape=variable.shape,
+                    dtype="float32",
+                    trainable=False,
+                    name=f"{variable.path.replace('/', '_')}_master",
+                    layout=_keras_internals.variable_layout(variable),
+                )
+                self._master_variables[id(variable)] = master
+                self._state_precision_variables.append(master)
+                inner_var_list.append(master)
+        if not self._master_variables:
+            warnings.warn(
+                f"master_weights=True on optimizer {self.name!r} has no "
+                "effect: none of its trainable variables is bfloat16 or "
+                "float16 (mixed policies already keep float32 variables, "
+                "which are their own master copy). Received variables of "
+                f"dtypes {sorted({str(v.dtype) for v in var_list})}. Drop "
+                "master_weights, or build the model under a 16-bit policy "
+                'such as keras_mp.Policy("bfloat16").',
+                stacklevel=4,
+            )
+        if self._weight_decay_exclusions is not None:
+            excluded, names = self._weight_decay_exclusions
+            self._inner_optimizer.exclude_from_weight_decay(
+                var_list=[
+                    self._master_variables.get(id(v), v) for v in excluded
+                ],
+                var_names=names,
+            )
+        return inner_var_list
+
+    def _matching_state_precision(self, variables, values):
+        """The wrapper variables and checkpoint values to assign, when the
+        checkpoint was written with other state precision settings.
+
+        The seed state of stochastic rounding and the masters come last.
+        A checkpoint without them (saved without stochastic rounding or
+        master weights) leaves them as they are: the masters start again
+        from the variables at the next step. A checkpoint with them, loaded
+        where they do not exist, has its trailing values dropped. Both warn.
+        """
+        extra = len(self._state_precision_variables)
+        if len(values) == len(variables) or not (
+            extra or _saved_state_precision(values[len(variables) :])
+        ):
+            return variables, values
+        if extra and len(values) == len(variables) - extra:
+            warnings.warn(
+                f"The checkpoint loaded into optimizer {self.name!r} holds no "
+                "stochastic rounding seed or master weights: they keep their "
+                "current values (masters follow the variables at the next "
+                "step).",
+                stacklevel=5,
+            )
+            return variables[: len(values)], values
+        if not extra and len(values) > len(variables):
+            warnings.warn(
+                f"Dropped {len(values) - len(variables)} value(s) of the "
+                f"checkpoint loaded into optimizer {self.name!r}: the "
+                "stochastic rounding seed and master weights of an optimizer "
+                "saved with state_dtype/master_weights, which this one does "
+                "not use.",
+                stacklevel=5,
+            )
+            return variables, values[: len(variables)]
+        return variables, values
+
+    def _to_master_weights(self, grads_and_vars):
+        """The pairs the inner optimizer updates: float32 gradients of the
+        masters.
+
+        A master whose rounded value is not its variable's value starts
+        again from the variable: so the masters (created as zeros, whatever
+        trace builds them) take the variables' values at the first step, and
+        after a variable is assigned from outside (`load_weights`,
+        `set_weights`), at the next one.
+        """
+        pairs = []
+        for grad, variable in grads_and_vars:
+            master = self._master_variables.get(id(variable))
+            if master is None:
+                pairs.append((grad, variable))
+                continue
+            value = variable.value
+            kept = ops.equal(ops.cast(master.value, value.dtype), value)
+            master.assign(
+                ops.where(kept, master.value, ops.cast(value, "float32"))
+            )
+            if grad is not None:
+                grad = backend_gradients.map_gradient(
+                    lambda g: ops.cast(g, "float32"), grad
+                )
+            pairs.append((grad, master))
+        return pairs
+
+    def _write_back_master_weights(self, variables):
+        for variable in variables:
+            master = self._master_variables.get(id(variable))
+            if master is not None:
+                variable.assign(ops.cast(master.value, variable.dtype))
+
+
+def check_state_arguments(state_dtype, stochastic_rounding, master_weights):
+    """Validated `state_dtype` and `stochastic_rounding` (None resolved)."""
+    if state_dtype is not None:
+        try:
+            standardized = keras.backend.standardize_dtype(state_dtype)
+        except ValueError:
+            standardized = None
+        if standardized not in _STATE_DTYPES:
+            raise ValueError(
+                "`state_dtype` must be one of "
+                f"{', '.join(repr(d) for d in _STATE_DTYPES)} or None. "
+                f"Received: state_dtype={state_dtype!r}. Use "
+                "state_dtype='bfloat16' to halve float32 optimizer state."
+            )
+        state_dtype = standardized
+    if stochastic_rounding is None:
+        stochastic_rounding = state_dtype == "bfloat16"
+    elif not isinstance(stochastic_rounding, bool):
+        raise TypeError(
+            "`stochastic_rounding` must be a bool or None. Received: "
+            f"stochastic_rounding={stochastic_rounding!r}"
+        )
+    elif stochastic_rounding and state_dtype != "bfloat16":
+        raise ValueError(
+            "Stochastic rounding applies to bfloat16 optimizer state only "
+            "(float32 state is not rounded; float16 state rounds to nearest). "
+            f"Received: state_dtype={state_dtype!r}, stochastic_rounding=True. "
+            "Use state_dtype='bfloat16', or leave stochastic_rounding unset."
+        )
+    if not isinstance(master_weights, bool):
+        raise TypeError(
+            "`master_weights` must be a bool. Received: "
+            f"master_weights={master_weights!r}"
+        )
+    return state_dtype, stochastic_rounding
+
+
+def stochastic_round_to_bfloat16(value, seed):
+    """`value` rounded to bfloat16 up or down at random, without bias.
+
+    A float32 is rounded up (away from zero) with probability equal to its
+    distance from the bfloat16 below, measured in bfloat16 steps: 16 random
+    bits are added to the low half of its bit pattern, which is then cut
+    off. The expected result is `value` itself, so increments far below one
+    bfloat16 step (an EMA's `(1 - beta) * (g - m)`) still move the state on
+    average; rounding to nearest drops them every time. NaN stays NaN,
+    infinities stay infinite.
+
+    The bits come from a counter-based hash of each element's index and a
+    key drawn from `seed`: a few integer operations per element, against
+    the many of `keras.random`'s generators (Threefry, Philox), and no host
+    round trip on any backend.
+
+    Args:
+        value: A float32 tensor.
+        seed: A `keras.random.SeedGenerator`.
+
+    Returns:
+        A bfloat16 tensor of the same shape.
+    """
+    seed = ops.cast(seed.next(), "int32")
+    # About twenty elementwise integer operations: one fused loop under
+    # XLA, but on TensorFlow without XLA (Keras's default there) each would
+    # be a pass over the whole slot, so they are compiled as one kernel.
+    round_stochastically = optimizer_state.compiled_elementwise(
+        _round_stochastically
+    )
+    return round_stochastically(ops.cast(value, "float32"), seed)
+
+
+def _round_stochastically(value, seed):
+    """`stochastic_round_to_bfloat16` of a float32 `value` with the int32
+    key pair `seed` (a `SeedGenerator`'s draw)."""
+    bits = ops.view(value, "int32")
+    noise = ops.bitwise_and(
+        _random_bits.random_bits(ops.shape(value), seed), 0xFFFF
+    )
+    # -65536 is 0xFFFF0000: the sign, exponent and bfloat16 mantissa bits.
+    # A carry out of the low half moves to the next bfloat16 value.
+    truncated = ops.view(ops.bitwise_and(bits + noise, -65536), "float32")
+    rounded = ops.where(ops.isnan(value), value, truncated)
+    return ops.cast(rounded, "bfloat16")
+
+
+def _saved_state_precision(values):
+    """Whether trailing checkpoint values look like a seed state and masters:
+    a seed state (two integers) and/or float32 arrays."""
+    values = [np.asarray(v) for v in values]
+    return bool(values) and all(
+        (np.issubdtype(v.dtype, np.integer) and v.shape == (2,))
+        or v.dtype == np.float32
+        for v in values
+    )
+
+
+def check_state_precision_target(optimizer, state_dtype, master_weights, name):
+    """Refuses state precision settings the wrapped optimizer cannot take."""
+    if state_dtype is None and not master_weights:
+        return
+    owner = _state_precision_owner(optimizer)
+    if owner is not None:
+        raise ValueError(
+            "`state_dtype` and `master_weights` belong to one wrapper of a "
+            f"chain, and the inner wrapper {owner.name!r} already sets them. "
+            f"Received: state_dtype={state_dtype!r}, master_weights="
+            f"{master_weights!r} on {name or 'the outer wrapper'!r}. Set "
+            "them on one wrapper only."
+        )
+    base = optimizer
+    while isinstance(base, StatePrecisionMixin):
+        base = base.inner_optimizer
+    if base.built:
+        raise ValueError(
+            "`state_dtype` and `master_weights` decide how the inner "
+            "optimizer creates its variables, so it must not be built yet. "
+            f"Received: the built optimizer {base.name!r}. Wrap a fresh "
+            "optimizer."
+        )
+
+
+def _state_precision_owner(optimizer):
+    """The wrapper in `optimizer`'s chain that sets state precision, or None."""
+    while isinstance(optimizer, StatePrecisionMixin):
+        if optimizer._state_dtype is not None or optimizer._master_weights:
+            return optimizer
+        optimizer = optimizer.inner_optimizer
+    return None
