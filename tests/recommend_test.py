@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 import keras_mp
-from keras_mp import recommend
 from keras_mp.backend import devices
 from keras_mp.backend import throughput
+from keras_mp.recommend import model_probe
+from keras_mp.recommend import report
+from keras_mp.recommend import timing
 
 _CPU = [
     {
@@ -55,7 +57,7 @@ def _time(seconds, candidates=("b", "c"), margin=1.25, budget=3.0, **kw):
     """`_time_until_stable` over names "a" (base), "b", "c", no real work."""
     timer = ScriptedTimer(seconds, run=False, **kw)
     runners = {name: (lambda units: None) for name in seconds}
-    rounds, stable = recommend._time_until_stable(
+    rounds, stable = timing._time_until_stable(
         runners,
         {name: 1 for name in seconds},
         list(candidates),
@@ -103,35 +105,35 @@ def _step_seconds(float32, bfloat16, float16):
 def test_a_candidate_below_the_margin_is_not_chosen():
     speedups = {"float32": 1.0, "mixed_bfloat16": 1.2, "mixed_float16": 0.5}
     candidates = ["mixed_bfloat16", "mixed_float16"]
-    assert recommend._choose(speedups, 1.25, candidates) is None
-    assert recommend._choose(speedups, 1.1, candidates) == "mixed_bfloat16"
+    assert timing._choose(speedups, 1.25, candidates) is None
+    assert timing._choose(speedups, 1.1, candidates) == "mixed_bfloat16"
 
 
 def test_equal_speedups_go_to_the_preferred_candidate():
     speedups = {"float32": 1.0, "mixed_bfloat16": 2.0, "mixed_float16": 2.0}
     candidates = ["mixed_bfloat16", "mixed_float16"]
-    assert recommend._choose(speedups, 1.25, candidates) == "mixed_bfloat16"
+    assert timing._choose(speedups, 1.25, candidates) == "mixed_bfloat16"
 
 
 def test_the_later_candidate_must_beat_the_preferred_one_by_the_margin():
     candidates = ["mixed_bfloat16", "mixed_float16"]
     slightly = {"float32": 1.0, "mixed_bfloat16": 2.0, "mixed_float16": 2.4}
     clearly = {"float32": 1.0, "mixed_bfloat16": 2.0, "mixed_float16": 2.5}
-    assert recommend._choose(slightly, 1.25, candidates) == "mixed_bfloat16"
-    assert recommend._choose(clearly, 1.25, candidates) == "mixed_float16"
+    assert timing._choose(slightly, 1.25, candidates) == "mixed_bfloat16"
+    assert timing._choose(clearly, 1.25, candidates) == "mixed_float16"
 
 
 def test_a_name_that_is_not_a_candidate_is_never_chosen():
     speedups = {"float32": 1.0, "mixed_bfloat16": 0.5, "mixed_float16": 9.0}
-    assert recommend._choose(speedups, 1.25, ["mixed_bfloat16"]) is None
+    assert timing._choose(speedups, 1.25, ["mixed_bfloat16"]) is None
 
 
 def test_the_median_interval_widens_to_the_extremes_for_five_values():
-    assert recommend._median_interval([3, 1, 5, 2, 4]) == (1, 5)
+    assert timing._median_interval([3, 1, 5, 2, 4]) == (1, 5)
     # Four values cannot hold the median with 90% confidence.
-    assert recommend._median_interval([1, 2, 3, 4]) == (-math.inf, math.inf)
+    assert timing._median_interval([1, 2, 3, 4]) == (-math.inf, math.inf)
     # Twenty: P(Binomial(20, 1/2) < 6) = 0.0207 on each side.
-    assert recommend._median_interval(list(range(20))) == (5, 14)
+    assert timing._median_interval(list(range(20))) == (5, 14)
 
 
 # ------------------------------------------------ repetition until stable
@@ -140,7 +142,7 @@ def test_the_median_interval_widens_to_the_extremes_for_five_values():
 def test_clear_answers_stop_after_the_minimum_rounds():
     rounds, stable, timer = _time({"a": 1.0, "b": 0.5, "c": 4.0})
     assert stable
-    assert len(rounds) == recommend._MIN_ROUNDS
+    assert len(rounds) == timing._MIN_ROUNDS
     assert timer.calls == {"a": 5, "b": 5, "c": 5}
 
 
@@ -156,7 +158,7 @@ def test_a_ratio_at_the_margin_repeats_until_the_budget_then_says_unsettled():
         budget=3.0,
     )
     assert not stable
-    assert len(rounds) > recommend._MIN_ROUNDS
+    assert len(rounds) > timing._MIN_ROUNDS
     spent = [sum(r.values()) for r in rounds]  # one unit per sample
     # No round starts once the budget is spent, and none is skipped before.
     assert sum(spent) >= 3.0 > sum(spent[:-1])
@@ -171,7 +173,7 @@ def test_the_rounds_stop_at_the_maximum_however_large_the_budget():
         budget=1e9,
     )
     assert not stable
-    assert len(rounds) == recommend._MAX_ROUNDS
+    assert len(rounds) == timing._MAX_ROUNDS
 
 
 def test_load_on_whole_rounds_does_not_change_the_paired_ratios():
@@ -181,8 +183,8 @@ def test_load_on_whole_rounds_does_not_change_the_paired_ratios():
 
     rounds, stable, _ = _time({"a": 0.1, "b": 0.05, "c": 0.2}, factor=factor)
     assert stable
-    assert len(rounds) == recommend._MIN_ROUNDS
-    speedups = recommend._speedups(rounds, ["a", "b", "c"])
+    assert len(rounds) == timing._MIN_ROUNDS
+    speedups = timing._speedups(rounds, ["a", "b", "c"])
     assert speedups == {"a": 1.0, "b": 2.0, "c": 0.5}
 
 
@@ -197,9 +199,9 @@ def test_bursts_on_single_samples_do_not_flip_the_answer():
     rounds, stable, _ = _time(
         {"a": 0.1, "b": 0.05, "c": 0.2}, factor=factor, budget=10.0
     )
-    speedups = recommend._speedups(rounds, ["a", "b", "c"])
+    speedups = timing._speedups(rounds, ["a", "b", "c"])
     assert speedups["b"] == 2.0
-    assert recommend._choose(speedups, 1.25, ["b", "c"]) == "b"
+    assert timing._choose(speedups, 1.25, ["b", "c"]) == "b"
     # The bursts left b's interval across the margin after 5 rounds; more
     # rounds settled it: of 11 values, the 3rd to the 9th hold the median
     # with 93% confidence, and they are all 2.0.
@@ -212,7 +214,7 @@ def test_two_fast_candidates_are_also_compared_with_each_other():
     # of the 1.25x it needs to be preferred.
     rounds, stable, _ = _time({"a": 1.2, "b": 0.6, "c": 0.5})
     assert stable
-    assert len(rounds) == recommend._MIN_ROUNDS
+    assert len(rounds) == timing._MIN_ROUNDS
 
     # c alternating 1.30x and 1.20x b keeps that one question open: only b
     # and c are timed after the minimum rounds.
@@ -251,7 +253,7 @@ def test_model_form_picks_the_sound_policy_past_the_margin_leaving_all_as_found(
     assert result.kind == "model"
     assert result.policy == "mixed_bfloat16"
     assert "1.33x" in result.reason
-    assert result.stable and result.rounds == recommend._MIN_ROUNDS
+    assert result.stable and result.rounds == timing._MIN_ROUNDS
     assert result.step_seconds == _step_seconds(0.2, 0.15, 0.3)
     assert result.speedup("mixed_bfloat16") == pytest.approx(0.2 / 0.15)
     assert result.throughput["float32"] == pytest.approx(5.0)
@@ -298,7 +300,7 @@ def test_a_16_bit_policy_whose_loss_is_not_finite_is_excluded_however_fast():
     assert "mixed_float16 was excluded as unsound" in result.reason
     assert "[unsound: loss not finite at step 1]" in str(result)
     # Timed for the table in the first rounds only: it cannot be chosen.
-    assert timer.calls["mixed_float16"] == 1 + recommend._MIN_ROUNDS
+    assert timer.calls["mixed_float16"] == 1 + timing._MIN_ROUNDS
 
 
 @pytest.mark.slow
@@ -316,7 +318,7 @@ def test_16_bit_losses_off_float32_by_more_than_the_tolerance_are_excluded():
 
 
 def test_loss_deltas_are_the_largest_relative_difference_over_the_steps():
-    deltas, unsound = recommend._check_losses(
+    deltas, unsound = model_probe._check_losses(
         {
             "float32": [2.0, 1.0, 0.5],
             "mixed_bfloat16": [2.02, 1.03, 0.5],
@@ -333,7 +335,7 @@ def test_loss_deltas_are_the_largest_relative_difference_over_the_steps():
         "mixed_float16": "loss not finite at step 2",
     }
     with pytest.raises(ValueError, match="float32 loss is not finite"):
-        recommend._check_losses(
+        model_probe._check_losses(
             {name: [math.inf] for name in _POLICIES}, tolerance=0.05
         )
 
@@ -373,8 +375,8 @@ def test_clones_keep_layers_pinned_to_another_policy_and_get_loss_scaling():
         ("float32", "float32"),
     ):
         with keras_mp.policy_scope(name):
-            clone = recommend._build(source, source, name)
-            recommend._compile(clone, source, None, None)
+            clone = model_probe._build(source, source, name)
+            model_probe._compile(clone, source, None, None)
         dtypes = [layer.compute_dtype for layer in clone.layers]
         assert dtypes == [dense, "float32"]
         # The source's LossScaleOptimizer is unwrapped; compile adds one
@@ -467,7 +469,7 @@ def test_matmul_probe_measures_every_dtype_and_returns_a_policy_with_a_reason():
     assert result.policy in ("float32", "mixed_bfloat16", "mixed_float16")
     assert sorted(result.throughput) == ["bfloat16", "float16", "float32"]
     assert all(value > 0 for value in result.throughput.values())
-    assert result.rounds >= recommend._MIN_ROUNDS
+    assert result.rounds >= timing._MIN_ROUNDS
     assert result.reason
     assert result.backend == keras.backend.backend()
     assert result.policy in str(result)
@@ -475,7 +477,7 @@ def test_matmul_probe_measures_every_dtype_and_returns_a_policy_with_a_reason():
 
 
 def _probe(monkeypatch, details, seconds, **kwargs):
-    monkeypatch.setattr(recommend.devices, "device_details", lambda: details)
+    monkeypatch.setattr(devices, "device_details", lambda: details)
     timer = ScriptedTimer(seconds)
     result = keras_mp.recommend_policy(size=32, _timer=timer, **kwargs)
     return result, timer
@@ -491,7 +493,7 @@ def test_fast_float16_matmuls_on_a_cpu_are_not_recommended(monkeypatch):
     assert "mixed_float16 is not recommended" in result.reason
     assert "no loss scaling" in result.reason
     # Not a candidate here: timed in the first rounds only, for the table.
-    assert timer.calls["float16"] == 1 + recommend._MIN_ROUNDS
+    assert timer.calls["float16"] == 1 + timing._MIN_ROUNDS
     assert result.speedups == {"float32": 1.0, "bfloat16": 2.0, "float16": 5.0}
     assert result.throughput["bfloat16"] == pytest.approx(
         2 * 32**3 * 2 / 0.1 / 1e9
@@ -554,7 +556,7 @@ def test_bfloat16_on_a_cpu_without_its_instructions_is_reported_emulated():
 
 
 def test_a_recommendation_built_with_the_original_fields_prints_its_table():
-    result = recommend.PolicyRecommendation(
+    result = report.PolicyRecommendation(
         policy="float32",
         throughput={"float32": 10.0, "bfloat16": 1.0, "float16": 8.0},
         reason="Because.",
