@@ -8,6 +8,8 @@ failures, each with its reason, and a pytest function below asserts what
 keras_mp does instead.
 """
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from keras import ops
 from keras.src.optimizers import loss_scale_optimizer_test as keras_tests
 
 import keras_mp
+from keras_mp.testing import apply_as_fit
 from keras_mp.testing import assert_close
 from keras_mp.testing import to_numpy
 
@@ -97,6 +100,10 @@ class KerasLossScaleOptimizerTestOnKerasMp(keras_tests.LossScaleOptimizerTest):
             super().test_finite_step_with_inner_loss_scale_stateless()
 
 
+# One step of a scaled loss's gradients, as `fit` runs it.
+_scaled_step = functools.partial(apply_as_fit, scale_loss=True)
+
+
 def test_hand_scaled_gradients_need_scale_loss_to_be_unscaled():
     expected = [0.5, -1.0, -0.5, 3.0]
     for announce in (True, False):
@@ -119,26 +126,6 @@ def test_hand_scaled_gradients_need_scale_loss_to_be_unscaled():
                 np.array([1.0, 2.0, 3.0, 4.0])
                 - 0.5 * np.array([1.0, 6.0, 7.0, 2.0]) * 2.0**15,
             )
-
-
-def _apply(optimizer, grads, variables):
-    """One step of a scaled loss's gradients, as `fit` runs it: `scale_loss`
-    first, then stateless on JAX and stateful elsewhere."""
-    optimizer.scale_loss(1.0)
-    if BACKEND != "jax":
-        optimizer.apply(grads, variables)
-        return
-    if not optimizer.built:
-        optimizer.build(variables)
-    new_values, new_optimizer_values = optimizer.stateless_apply(
-        [v.value for v in optimizer.variables],
-        grads,
-        [v.value for v in variables],
-    )
-    for variable, value in zip(variables, new_values):
-        variable.assign(value)
-    for variable, value in zip(optimizer.variables, new_optimizer_values):
-        variable.assign(value)
 
 
 def test_config_holds_the_loss_scale_and_loads_keras():
@@ -187,10 +174,10 @@ def test_dynamic_false_means_a_fixed_scale_as_in_tf_keras():
     assert not optimizer.dynamic
     assert isinstance(optimizer.loss_scale, keras_mp.FixedLossScale)
     variables = [keras.Variable([1.0, 2.0, 3.0, 4.0])]
-    _apply(optimizer, [ops.array([1.0, 6.0, 7.0, 2.0]) * 8.0], variables)
+    _scaled_step(optimizer, [ops.array([1.0, 6.0, 7.0, 2.0]) * 8.0], variables)
     assert_close(variables[0], [0.5, -1.0, -0.5, 3.0])
     # A fixed scale never skips (RFC 293): non-finite gradients are applied.
-    _apply(optimizer, [ops.array([np.inf, 0.0, 0.0, 0.0])], variables)
+    _scaled_step(optimizer, [ops.array([np.inf, 0.0, 0.0, 0.0])], variables)
     assert not np.isfinite(to_numpy(variables[0])[0])
     assert float(to_numpy(optimizer.loss_scale())) == 8.0
     assert int(to_numpy(optimizer.skipped_steps)) == 0
@@ -212,7 +199,7 @@ def test_downscaling_stops_at_min_loss_scale_where_keras_goes_below_one():
         )
         variables = [keras.Variable([1.0, 2.0, 3.0, 4.0])]
         for _ in range(4):
-            _apply(optimizer, infinite, variables)
+            _scaled_step(optimizer, infinite, variables)
         scales[cls] = float(to_numpy(optimizer.scale_loss(1.0)))
     # Keras halves without a floor; DESIGN.md: max(scale / 2, min_loss_scale)
     # with min_loss_scale=1.0 by default, so a scaled loss never shrinks.

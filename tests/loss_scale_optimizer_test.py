@@ -1,3 +1,4 @@
+import functools
 import math
 
 import keras
@@ -6,11 +7,15 @@ import pytest
 from keras import ops
 
 import keras_mp
+from keras_mp.testing import apply_as_fit
 from keras_mp.testing import assert_bitwise_equal
 from keras_mp.testing import assert_close
 from keras_mp.testing import to_numpy
 
 BACKEND = keras.backend.backend()
+
+# One step of a scaled loss's gradients, as `fit` runs it.
+_scaled_step = functools.partial(apply_as_fit, scale_loss=True)
 
 
 def _variables():
@@ -30,30 +35,10 @@ def _grads(scale, poison=None):
     return [ops.convert_to_tensor(g) for g in grads]
 
 
-def _apply(optimizer, grads, variables):
-    """One step of a scaled loss's gradients, as `fit` runs it: stateless on
-    JAX, stateful elsewhere, after `scale_loss` (which marks `grads` as the
-    gradients of a scaled loss, to be unscaled by the optimizer)."""
-    optimizer.scale_loss(1.0)
-    if BACKEND != "jax":
-        optimizer.apply(grads, variables)
-        return
-    optimizer.build(variables)
-    new_vars, new_opt_vars = optimizer.stateless_apply(
-        [v.value for v in optimizer.variables],
-        grads,
-        [v.value for v in variables],
-    )
-    for ref, value in zip(variables, new_vars):
-        ref.assign(value)
-    for ref, value in zip(optimizer.variables, new_opt_vars):
-        ref.assign(value)
-
-
 def test_finite_step_unscales_gradients_before_the_inner_update():
     optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.5))
     variables = _variables()
-    _apply(optimizer, _grads(optimizer.initial_scale), variables)
+    _scaled_step(optimizer, _grads(optimizer.initial_scale), variables)
     assert_close(variables[0], [0.5, -1.0, -0.5, 3.0])
     assert_close(variables[1], [[0.375, 0.0]])
     assert int(to_numpy(optimizer.iterations)) == 1
@@ -68,10 +53,10 @@ def test_nonfinite_step_is_skipped_bit_for_bit_and_halves_the_scale(poison):
     )
     variables = _variables()
     for _ in range(2):
-        _apply(optimizer, _grads(1024.0), variables)
+        _scaled_step(optimizer, _grads(1024.0), variables)
     before_vars = [to_numpy(v) for v in variables]
     inner_before = [to_numpy(v) for v in optimizer.inner_optimizer.variables]
-    _apply(optimizer, _grads(1024.0, poison=poison), variables)
+    _scaled_step(optimizer, _grads(1024.0, poison=poison), variables)
     for variable, value in zip(variables, before_vars):
         assert_bitwise_equal(variable, value)
     for variable, value in zip(
@@ -110,7 +95,7 @@ def test_one_finite_check_for_all_gradients_is_exact_for_float16(
         ops.convert_to_tensor(np.array(values, "float16")),
         ops.convert_to_tensor(np.ones(2, "float16")),
     ]
-    _apply(optimizer, grads, variables)
+    _scaled_step(optimizer, grads, variables)
     expected = -np.array(values, "float16") if applied else np.zeros(4)
     assert_bitwise_equal(variables[0], expected.astype("float16"))
     assert int(to_numpy(optimizer.skipped_steps)) == int(not applied)
@@ -127,7 +112,7 @@ def test_finite_float32_values_summing_past_its_range_skip_the_step():
         keras.optimizers.SGD(1e-30), loss_scale=keras_mp.DynamicLossScale(2.0)
     )
     grads = [ops.convert_to_tensor(np.array([3e38, 3e38], "float32"))]
-    _apply(optimizer, grads, variables)
+    _scaled_step(optimizer, grads, variables)
     assert_bitwise_equal(variables[0], np.zeros(2, "float32"))
     assert int(to_numpy(optimizer.skipped_steps)) == 1
     assert float(to_numpy(optimizer.loss_scale())) == 1.0
@@ -149,7 +134,7 @@ def test_scale_follows_the_algorithm_step_by_step_with_injected_overflows():
     scale, good, skipped, applied = 4.0, 0, 0, 0
     for step, kind in enumerate(pattern):
         grads = _grads(scale, poison=np.nan if kind == "N" else None)
-        _apply(optimizer, grads, variables)
+        _scaled_step(optimizer, grads, variables)
         if kind == "N":
             scale, good, skipped = max(scale / 2, 1.0), 0, skipped + 1
         else:
@@ -171,7 +156,7 @@ def test_fixed_loss_scale_never_skips():
         keras.optimizers.SGD(0.5), loss_scale=8
     )
     variables = _variables()
-    _apply(optimizer, _grads(8.0, poison=np.inf), variables)
+    _scaled_step(optimizer, _grads(8.0, poison=np.inf), variables)
     assert np.isinf(to_numpy(variables[1])[0, 0])
     assert int(to_numpy(optimizer.iterations)) == 1
     assert float(to_numpy(optimizer.loss_scale())) == 8.0

@@ -10,6 +10,7 @@ from keras import ops
 
 import keras_mp
 from keras_mp.optimizers.state_precision import stochastic_round_to_bfloat16
+from keras_mp.testing import apply_as_fit
 from keras_mp.testing import assert_bitwise_equal
 from keras_mp.testing import to_numpy
 
@@ -28,23 +29,6 @@ OPTIMIZERS = {
 
 def _dtype(variable):
     return keras.backend.standardize_dtype(variable.dtype)
-
-
-def _apply(optimizer, grads, variables):
-    """One step as `fit` runs it: stateless on JAX, stateful elsewhere."""
-    if BACKEND != "jax":
-        optimizer.apply(grads, variables)
-        return
-    optimizer.build(variables)
-    new_vars, new_opt_vars = optimizer.stateless_apply(
-        [v.value for v in optimizer.variables],
-        grads,
-        [v.value for v in variables],
-    )
-    for ref, value in zip(variables, new_vars):
-        ref.assign(value)
-    for ref, value in zip(optimizer.variables, new_opt_vars):
-        ref.assign(value)
 
 
 def _slots(optimizer):
@@ -73,7 +57,7 @@ def test_slots_are_bfloat16_and_updates_track_float32_state(name):
             OPTIMIZERS[name](), state_dtype=state_dtype
         )
         for _ in range(3):
-            _apply(optimizer, grads, variables)
+            apply_as_fit(optimizer, grads, variables)
         slots = _slots(optimizer)
         assert slots, "the optimizer created no slot"
         expected = "bfloat16" if state_dtype else "float32"
@@ -201,7 +185,7 @@ def test_stochastic_rounding_repeats_with_the_same_seed():
         )
         grad = ops.convert_to_tensor(np.linspace(0.1, 1.0, 50), "float32")
         for _ in range(3):
-            _apply(optimizer, [grad], [variable])
+            apply_as_fit(optimizer, [grad], [variable])
         return [to_numpy(v) for v in optimizer.variables]
 
     first, again, other = run(1), run(1), run(2)
@@ -225,11 +209,11 @@ def test_skipped_step_leaves_weights_slots_and_seed_state_bit_identical(
     )
     grad = ops.convert_to_tensor(np.linspace(-4, 4, 8), dtype)
     optimizer.scale_loss(1.0)
-    _apply(optimizer, [grad], [variable])
+    apply_as_fit(optimizer, [grad], [variable])
     before = [to_numpy(v) for v in [variable] + optimizer.variables]
     poisoned = ops.where(ops.arange(8) == 3, np.inf, grad)
     optimizer.scale_loss(1.0)
-    _apply(optimizer, [ops.cast(poisoned, dtype)], [variable])
+    apply_as_fit(optimizer, [ops.cast(poisoned, dtype)], [variable])
     after = [to_numpy(v) for v in [variable] + optimizer.variables]
     assert int(to_numpy(optimizer.skipped_steps)) == 1
     paths = [variable.path] + [v.path for v in optimizer.variables]
@@ -255,7 +239,7 @@ def _tiny_updates(optimizer, steps=100):
             )
         else:
             grad_in = grad
-        _apply(optimizer, [grad_in], [variable])
+        apply_as_fit(optimizer, [grad_in], [variable])
     return variable
 
 
@@ -285,10 +269,10 @@ def test_master_weights_follow_a_variable_assigned_from_outside():
     optimizer = keras_mp.OptimizerWrapper(
         keras.optimizers.SGD(0.5), master_weights=True
     )
-    _apply(optimizer, [ops.ones((4,), "bfloat16")], [variable])
+    apply_as_fit(optimizer, [ops.ones((4,), "bfloat16")], [variable])
     np.testing.assert_array_equal(to_numpy(ops.cast(variable, "float32")), 0.5)
     variable.assign(ops.full((4,), 3.0, "bfloat16"))
-    _apply(optimizer, [ops.ones((4,), "bfloat16")], [variable])
+    apply_as_fit(optimizer, [ops.ones((4,), "bfloat16")], [variable])
     np.testing.assert_array_equal(to_numpy(ops.cast(variable, "float32")), 2.5)
 
 
@@ -405,7 +389,7 @@ def test_failed_set_weights_leaves_bfloat16_state_intact():
     optimizer = keras_mp.OptimizerWrapper(
         keras.optimizers.Adam(0.1), state_dtype="bfloat16"
     )
-    _apply(optimizer, [ops.ones((4,))], [variable])
+    apply_as_fit(optimizer, [ops.ones((4,))], [variable])
     before = optimizer.get_weights()
     wrong_shape = [np.zeros_like(w) for w in before]
     wrong_shape[2] = np.zeros((5,), "float32")
@@ -488,7 +472,7 @@ def test_float32_and_float16_state_round_to_nearest(state_dtype):
         keras.optimizers.Adam(0.5), state_dtype=state_dtype
     )
     assert optimizer.get_config()["stochastic_rounding"] is False
-    _apply(optimizer, [ops.ones((4,))], [variable])
+    apply_as_fit(optimizer, [ops.ones((4,))], [variable])
     assert {_dtype(s) for s in _slots(optimizer)} == {state_dtype}
     assert not any("seed" in v.path for v in optimizer.variables)
     np.testing.assert_allclose(to_numpy(variable), 0.5, rtol=1e-3)

@@ -7,16 +7,22 @@ each variable's gradient was non-finite and when that first happened;
 and decides what happens when overflows continue at `min_loss_scale`.
 """
 
+import functools
+
 import keras
 import numpy as np
 import pytest
 from keras import ops
 
 import keras_mp
+from keras_mp.testing import apply_as_fit
 from keras_mp.testing import assert_bitwise_equal
 from keras_mp.testing import to_numpy
 
 BACKEND = keras.backend.backend()
+
+# One step of a scaled loss's gradients, as `fit` runs it.
+_scaled_step = functools.partial(apply_as_fit, scale_loss=True)
 
 
 def _variables():
@@ -33,23 +39,6 @@ def _grads(poison=()):
     for index, value in poison:
         grads[index].flat[0] = value
     return [ops.convert_to_tensor(g) for g in grads]
-
-
-def _step(optimizer, grads, variables):
-    """One step of a scaled loss's gradients: stateless on JAX (as `fit`)."""
-    optimizer.scale_loss(1.0)
-    if BACKEND != "jax":
-        optimizer.apply(grads, variables)
-        return
-    new_vars, new_opt_vars = optimizer.stateless_apply(
-        [v.value for v in optimizer.variables],
-        grads,
-        [v.value for v in variables],
-    )
-    for ref, value in zip(variables, new_vars):
-        ref.assign(value)
-    for ref, value in zip(optimizer.variables, new_opt_vars):
-        ref.assign(value)
 
 
 def _tracking_optimizer(**scale_kwargs):
@@ -86,7 +75,7 @@ def test_counters_name_exactly_the_poisoned_variables_and_first_steps():
             to_numpy(v) for v in optimizer.inner_optimizer.variables
         ]
         before_counters = _counters(optimizer)
-        _step(optimizer, _grads(poison), variables)
+        _scaled_step(optimizer, _grads(poison), variables)
         if poison:
             for v, value in zip(variables, before_vars):
                 assert_bitwise_equal(v, value, msg=v.path)
@@ -208,7 +197,7 @@ def test_hysteresis_lowers_the_scale_only_after_overflows_in_a_row():
     optimizer, variables = _tracking_optimizer(hysteresis=2)
     scales = []
     for poison in ((), ((0, np.nan),), (), ((0, np.nan),), ((2, np.inf),)):
-        _step(optimizer, _grads(poison), variables)
+        _scaled_step(optimizer, _grads(poison), variables)
         scales.append(float(to_numpy(optimizer.loss_scale())))
     # One overflow: skipped, scale kept; a finite step resets the count;
     # two in a row: the scale halves.
@@ -276,7 +265,7 @@ def _at_floor(on_min_scale, track_overflow=True):
     variables = _variables()
     optimizer.build(variables)
     optimizer.check_min_scale()  # the baseline
-    _step(optimizer, _grads(((1, np.nan),)), variables)
+    _scaled_step(optimizer, _grads(((1, np.nan),)), variables)
     return optimizer
 
 
@@ -358,7 +347,9 @@ def _micro_step(optimizer, weights, x, y, poison=False):
     grad = (2.0 / len(y)) * (x.T @ residual) * scale
     if poison:
         grad[0] = np.inf
-    _step(optimizer, [ops.convert_to_tensor(grad.astype("float32"))], [weights])
+    _scaled_step(
+        optimizer, [ops.convert_to_tensor(grad.astype("float32"))], [weights]
+    )
 
 
 def test_accumulated_update_equals_one_step_on_the_concatenated_batch():

@@ -12,6 +12,7 @@ import threading
 import numpy as np
 
 __all__ = [
+    "apply_as_fit",
     "assert_bitwise_equal",
     "assert_close",
     "count_host_syncs",
@@ -28,6 +29,41 @@ _TOLERANCES = {
     "float32": 1e-5,
     "float64": 1e-9,
 }
+
+
+def apply_as_fit(optimizer, grads, variables, scale_loss=False):
+    """One optimizer step on `grads` as `Model.fit` runs it.
+
+    Stateless on JAX (`stateless_apply` on the variables' values, then the
+    results assigned back, as the JAX trainer does), stateful `apply`
+    elsewhere. The optimizer is built for `variables` first if it is not.
+
+    Args:
+        optimizer: The optimizer.
+        grads: One gradient per variable.
+        variables: The variables to update.
+        scale_loss: Whether `optimizer.scale_loss` runs first, which marks
+            `grads` as the gradients of a scaled loss (a LossScaleOptimizer
+            then unscales them). Defaults to `False`.
+    """
+    import keras
+
+    if scale_loss:
+        optimizer.scale_loss(1.0)
+    if keras.backend.backend() != "jax":
+        optimizer.apply(grads, variables)
+        return
+    if not optimizer.built:
+        optimizer.build(variables)
+    new_values, new_optimizer_values = optimizer.stateless_apply(
+        [v.value for v in optimizer.variables],
+        grads,
+        [v.value for v in variables],
+    )
+    for variable, value in zip(variables, new_values):
+        variable.assign(value)
+    for variable, value in zip(optimizer.variables, new_optimizer_values):
+        variable.assign(value)
 
 
 def to_numpy(value):
