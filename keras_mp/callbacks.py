@@ -5,7 +5,7 @@ from keras import ops
 
 from keras_mp.backend import training_state
 from keras_mp.optimizers.loss_scale_optimizer import LossScaleOptimizer
-from keras_mp.optimizers.loss_scale_optimizer import overflow_records
+from keras_mp.optimizers.overflow import overflow_records
 from keras_mp.optimizers.wrapper import OptimizerWrapper
 
 __all__ = ["LossScaleLogger", "OverflowReport"]

@@ -1,20 +1,27 @@
-"""LossScaleOptimizer: loss scaling on the RFC 234 pipeline."""
+"""LossScaleOptimizer: loss scaling on the RFC 234 pipeline.
 
-import collections
+Scaling the loss, unscaling the gradients (once, whichever loop style),
+the finite check and the skip decision, the loss scale's update, and the
+Keras 3 / tf.keras constructor arguments. Composes `accumulation.py`
+(windows) and `overflow.py` (counters, reports). Imports those,
+`wrapper.py`, `keras_mp.loss_scale` and `keras_mp.backend`; never
+`models.py`, `callbacks.py` or `recommend`.
+"""
+
 import threading
 import warnings
 import weakref
 
 import keras
-import numpy as np
 from keras import ops
 
 from keras_mp import _config
-from keras_mp import _keras_internals
 from keras_mp import loss_scale as loss_scale_module
 from keras_mp.backend import collectives
 from keras_mp.backend import gradients as backend_gradients
-from keras_mp.optimizers.overwrite_with_gradient import overwrites_with_gradient
+from keras_mp.optimizers import overflow
+from keras_mp.optimizers.accumulation import AccumulationMixin
+from keras_mp.optimizers.overflow import OverflowTrackingMixin
 from keras_mp.optimizers.wrapper import OptimizerWrapper
 
 # Keras 3 used to serialize these base-optimizer arguments for its
@@ -84,7 +91,12 @@ def _contains_loss_scale_optimizer(optimizer):
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
-class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(
+    OptimizerWrapper,
+    AccumulationMixin,
+    OverflowTrackingMixin,
+    keras.optimizers.LossScaleOptimizer,
+):
     """An optimizer wrapper that scales the loss so float16 gradients survive.
 
     float16 flushes values below about 6e-8 to zero, and many gradients are
@@ -282,34 +294,8 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
             aggregation="only_first_replica",
             name="skipped_steps",
         )
-        if self._accumulation_steps():
-            # Whether every micro-step of the current accumulation window
-            # had finite gradients (1) or not (0).
-            self._window_finite = self.add_variable(
-                shape=(),
-                dtype="int32",
-                initializer="ones",
-                aggregation="only_first_replica",
-                name="window_finite",
-            )
-        if self.track_overflow:
-            # One entry per trainable variable, in `var_list` order: two
-            # variables in all, however large the model.
-            count = len(self._trainable_variables)
-            self._overflow_counts = self.add_variable(
-                shape=(count,),
-                dtype="int32",
-                initializer="zeros",
-                aggregation="only_first_replica",
-                name="overflow_counts",
-            )
-            self._overflow_first_steps = self.add_variable(
-                shape=(count,),
-                dtype="int32",
-                initializer=keras.initializers.Constant(-1),
-                aggregation="only_first_replica",
-                name="overflow_first_steps",
-            )
+        self._build_accumulation()
+        self._build_overflow_tracking()
 
     # -------------------------------------------------------------- scaling
     def transform_loss(self, loss):
@@ -446,8 +432,8 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
             return
         grads = [g for g, _ in grads_and_vars]
         if self.track_overflow:
-            finite_per_gradient = _finite_per_gradient(grads)
-            is_finite = _all_of(finite_per_gradient)
+            finite_per_gradient = overflow.finite_per_gradient(grads)
+            is_finite = overflow.all_of(finite_per_gradient)
             # Before the update: the step number is the count of steps
             # applied and skipped so far.
             self._track_overflow(grads_and_vars, finite_per_gradient)
@@ -462,199 +448,6 @@ class LossScaleOptimizer(OptimizerWrapper, keras.optimizers.LossScaleOptimizer):
         self._skipped_steps.assign_add(
             ops.cast(ops.logical_not(is_finite), "int32")
         )
-
-    def _accumulation_steps(self):
-        return getattr(self._base_optimizer(), "gradient_accumulation_steps", 0)
-
-    def _run_accumulation_step(self, grads_and_vars, is_finite):
-        """One micro-step of an inner optimizer that accumulates gradients.
-
-        As in torch AMP's recipe: each micro-step's gradients are unscaled
-        before the inner optimizer accumulates them; a window with any
-        non-finite micro-step is discarded whole at its last micro-step
-        (weights and slots unchanged, accumulators emptied, one skipped
-        step); the loss scale is updated once per window, from all of it.
-        """
-        base = self._base_optimizer()
-        steps = base.gradient_accumulation_steps
-        # Under DDP's `no_sync` each process's micro-step gradients are its
-        # own: the window's verdict must be every process's.
-        is_finite = collectives.all_processes_finite(is_finite)
-        window_finite = ops.logical_and(
-            ops.cast(self._window_finite.value, "bool"), is_finite
-        )
-        # Keras counts micro-steps in `_iterations` (`iterations` is that
-        # floor-divided by `steps`).
-        micro_steps = base._iterations
-        last = ops.equal(
-            ops.mod(ops.cast(micro_steps.value, "int32") + 1, steps), 0
-        )
-        # Non-finite micro-gradients are accumulated as zeros (the window
-        # is discarded anyway), so the accumulators stay finite.
-        safe = [
-            (
-                None
-                if g is None
-                else backend_gradients.map_gradient(
-                    lambda x: ops.where(is_finite, x, ops.zeros_like(x)), g
-                ),
-                v,
-            )
-            for g, v in grads_and_vars
-        ]
-        self.apply_if(
-            ops.logical_or(ops.logical_not(last), window_finite), safe
-        )
-        discard = ops.logical_and(last, ops.logical_not(window_finite))
-        for accumulator in _keras_internals.accumulated_gradients(base):
-            value = accumulator.value
-            accumulator.assign(ops.where(discard, ops.zeros_like(value), value))
-        # A discarded window starts again: `iterations` counts applied
-        # updates only.
-        micro_steps.assign(
-            ops.where(
-                discard, micro_steps.value - (steps - 1), micro_steps.value
-            )
-        )
-        self._update_loss_scale_where(last, window_finite)
-        self._window_finite.assign(
-            ops.cast(ops.logical_or(last, window_finite), "int32")
-        )
-        self._skipped_steps.assign_add(ops.cast(discard, "int32"))
-
-    def _update_loss_scale_where(self, condition, is_finite):
-        """`loss_scale.update(is_finite)` where `condition` holds, else none."""
-        variables = self._loss_scale.variables
-        current = [v.value for v in variables]
-        with keras.StatelessScope(
-            state_mapping=list(zip(variables, current))
-        ) as scope:
-            self._loss_scale.update(is_finite)
-        for variable, old in zip(variables, current):
-            variable.assign(
-                ops.where(condition, scope.get_current_value(variable), old)
-            )
-
-    def _track_overflow(self, grads_and_vars, finite_per_gradient):
-        flags = [False] * len(self._trainable_variables)
-        checks = iter(finite_per_gradient)
-        for grad, variable in grads_and_vars:
-            if grad is None:
-                continue
-            finite = next(checks)
-            # A non-finite amax history still skips the step, but is not
-            # the overflow to report: the gradient it came from is.
-            if not overwrites_with_gradient(variable):
-                flags[self._get_variable_index(variable)] = ops.logical_not(
-                    finite
-                )
-        overflowed = ops.stack(
-            [ops.convert_to_tensor(flag, "bool") for flag in flags]
-        )
-        step = ops.add(
-            ops.cast(self.iterations, "int32"),
-            ops.convert_to_tensor(self._skipped_steps.value, "int32"),
-        )
-        counts = ops.convert_to_tensor(self._overflow_counts.value, "int32")
-        first = ops.convert_to_tensor(self._overflow_first_steps.value, "int32")
-        self._overflow_counts.assign(counts + ops.cast(overflowed, "int32"))
-        self._overflow_first_steps.assign(
-            ops.where(
-                ops.logical_and(overflowed, ops.less(first, 0)), step, first
-            )
-        )
-
-    # ------------------------------------------------------------- reports
-    def overflow_report(self, top=10):
-        """Which variables' gradients overflowed, worst first.
-
-        Needs `track_overflow=True`. Reads two small integer variables
-        (one host copy); call it between steps, not inside one.
-
-        Args:
-            top: How many records to return at most, or None for all.
-                Defaults to `10`.
-
-        Returns:
-            An `OverflowRecords` list of `OverflowRecord(path, layer, count,
-            first_step)`, most overflows first (then earliest); only
-            variables whose gradient was non-finite at least once. `str()`
-            of it is a table. `first_step` counts every step, applied or
-            skipped, from 0.
-        """
-        if not self.track_overflow:
-            raise ValueError(
-                "overflow_report() needs an optimizer created with "
-                "track_overflow=True. Received an optimizer with "
-                "track_overflow=False. Create it as "
-                "keras_mp.LossScaleOptimizer(..., track_overflow=True)."
-            )
-        if not self.built:
-            return OverflowRecords([])
-        counts, first_steps = (
-            np.asarray(ops.convert_to_numpy(v.value))
-            for v in (self._overflow_counts, self._overflow_first_steps)
-        )
-        return overflow_records(
-            self._trainable_variables, counts, first_steps, top
-        )
-
-    def check_min_scale(self, skipped_steps=None, loss_scale=None):
-        """Applies the loss scale's `on_min_scale` policy, on the host.
-
-        Steps that overflow while the dynamic scale sits at its
-        `min_loss_scale` cannot be rescued by lowering it. When more steps
-        were skipped since the last check and the scale is at its floor,
-        this warns once (`"warn"`), raises `FloatingPointError`
-        (`"raise"`) or does nothing (`"ignore"`). `fit` calls it through
-        `LossScaleLogger` each time that reads the state (once per epoch by
-        default); call it yourself every few steps in your own loop.
-
-        Args:
-            skipped_steps: The current `skipped_steps` value, if already read
-                (saves a host copy). Defaults to reading it.
-            loss_scale: The current scale value, if already read. Defaults
-                to reading it.
-        """
-        scale = self._loss_scale
-        if not scale.is_dynamic or not self.built:
-            return
-        if skipped_steps is None:
-            skipped_steps = int(ops.convert_to_numpy(self._skipped_steps.value))
-        if loss_scale is None:
-            loss_scale = float(ops.convert_to_numpy(scale()))
-        previous = self._min_scale_checked_skips
-        self._min_scale_checked_skips = skipped_steps
-        if (
-            scale.on_min_scale == "ignore"
-            or loss_scale > scale.min_loss_scale
-            or previous is None
-            or skipped_steps <= previous
-        ):
-            return
-        message = (
-            f"LossScaleOptimizer {self.name!r}: {skipped_steps - previous} "
-            "more step(s) were skipped for non-finite gradients and the loss "
-            f"scale sits at its min_loss_scale={scale.min_loss_scale:g}, "
-            "where lowering it cannot help: the loss or the model overflows "
-            "in 16 bits by itself."
-        )
-        if self.track_overflow:
-            worst = self.overflow_report(top=3)
-            if worst:
-                names = ", ".join(f"{r.path} ({r.count}x)" for r in worst)
-                message += f" Worst variables: {names}."
-        message += (
-            " Compute the overflowing layers in float32 (dtype='float32' on "
-            "the layer, or a float32 loss), lower min_loss_scale, or use "
-            "mixed_bfloat16. Set on_min_scale='ignore' on the "
-            "DynamicLossScale to silence this."
-        )
-        if scale.on_min_scale == "raise":
-            raise FloatingPointError(message)
-        if not self._warned_min_scale:
-            self._warned_min_scale = True
-            warnings.warn(message, stacklevel=2)
 
     # -------------------------------------------------------- serialization
     def get_config(self):
@@ -700,75 +493,3 @@ def _claim(loss_scale, name):
             "`keras_mp.DynamicLossScale(...)` twice, or "
             "`type(scale).from_config(scale.get_config())`."
         )
-
-
-def _finite_per_gradient(grads):
-    """One bool scalar per gradient that is not None: all its values finite."""
-    return [
-        ops.isfinite(backend_gradients.gradient_sum(g))
-        for g in grads
-        if g is not None
-    ]
-
-
-def _all_of(checks):
-    if not checks:
-        return ops.convert_to_tensor(True)
-    return ops.all(ops.stack(checks))
-
-
-class OverflowRecord(
-    collections.namedtuple(
-        "OverflowRecord", ["path", "layer", "count", "first_step"]
-    )
-):
-    """One variable of `LossScaleOptimizer.overflow_report()`.
-
-    Attributes:
-        path: The variable's path, e.g. `"dense_1/kernel"`.
-        layer: The name of the layer that owns it (the path's parent).
-        count: Steps whose gradient for it was non-finite.
-        first_step: The first such step, counting every step from 0.
-    """
-
-    __slots__ = ()
-
-
-class OverflowRecords(list):
-    """A list of `OverflowRecord`s whose `str()` is a readable table."""
-
-    def __str__(self):
-        if not self:
-            return "No gradient overflowed."
-        header = ("variable", "layer", "overflows", "first step")
-        rows = [header] + [
-            (r.path, r.layer, str(r.count), str(r.first_step)) for r in self
-        ]
-        widths = [max(len(row[i]) for row in rows) for i in range(4)]
-        lines = [
-            "  ".join(
-                cell.ljust(width) if i < 2 else cell.rjust(width)
-                for i, (cell, width) in enumerate(zip(row, widths))
-            ).rstrip()
-            for row in rows
-        ]
-        lines.insert(1, "  ".join("-" * width for width in widths))
-        return "\n".join(lines)
-
-
-def overflow_records(variables, counts, first_steps, top=None):
-    """The `OverflowRecords` of counters read from a tracking optimizer."""
-    records = [
-        OverflowRecord(
-            path=variable.path,
-            layer=variable.path.rsplit("/", 2)[-2]
-            if "/" in variable.path
-            else "",
-            count=int(count),
-            first_step=int(first),
-        )
-        for variable, count, first in zip(variables, counts, first_steps)
-        if count > 0
-    ]
-    records.sort(key=lambda r: (-r.count, r.first_step, r.path))
-    return OverflowRecords(records if top is None else records[:top])

@@ -10,7 +10,6 @@ or a module above it (`models.py`, `callbacks.py`, `recommend`).
 """
 
 import keras
-from keras import ops
 
 from keras_mp import _config
 from keras_mp import _keras_internals
@@ -19,6 +18,7 @@ from keras_mp.backend import collectives
 from keras_mp.backend import gradients as backend_gradients
 from keras_mp.optimizers import checkpointing
 from keras_mp.optimizers import delegation
+from keras_mp.optimizers import skip
 from keras_mp.optimizers import state_precision
 from keras_mp.optimizers.checkpointing import CheckpointMixin
 from keras_mp.optimizers.delegation import DelegationMixin
@@ -139,29 +139,9 @@ class OptimizerWrapper(
                 state_dtype, stochastic_rounding, master_weights
             )
         )
-        if "optimizer" in kwargs:
-            if inner_optimizer is not None:
-                raise TypeError(
-                    "Pass the optimizer to wrap once, as `inner_optimizer`. "
-                    f"Received: inner_optimizer={inner_optimizer!r} and "
-                    f"optimizer={kwargs['optimizer']!r}"
-                )
-            inner_optimizer = kwargs.pop("optimizer")
-        optimizer = inner_optimizer
-        if not isinstance(optimizer, keras.optimizers.Optimizer):
-            raise TypeError(
-                f"{type(self).__name__} wraps a keras.optimizers.Optimizer. "
-                f"Received: inner_optimizer={optimizer!r} (of type "
-                f"{type(optimizer).__name__}). Pass e.g. "
-                "keras.optimizers.Adam(1e-3)."
-            )
-        owner = getattr(optimizer, "_keras_mp_wrapped_by", None)
-        if owner is not None:
-            raise ValueError(
-                f"The optimizer {optimizer.name!r} is already wrapped by "
-                f"{owner!r}; two wrappers cannot share one inner optimizer. "
-                "Wrap a fresh optimizer, or wrap the existing wrapper."
-            )
+        optimizer = _checked_inner_optimizer(
+            type(self).__name__, inner_optimizer, kwargs
+        )
         state_precision.check_state_precision_target(
             optimizer, state_dtype, master_weights, name
         )
@@ -400,7 +380,7 @@ class OptimizerWrapper(
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build([v for _, v in grads_and_vars])
-        self._check_gradient_dtypes(grads_and_vars)
+        _check_gradient_dtypes(grads_and_vars)
         grads_and_vars, overwritten = split_overwritten(grads_and_vars)
         if not skip_gradients_aggregation:
             grads_and_vars = self.transform_unaggregated_gradients(
@@ -451,79 +431,9 @@ class OptimizerWrapper(
         assigned `where(condition, new, old)`. This also works in
         `stateless_apply`.
         """
-        if keras.backend.backend() == "tensorflow":
-            # The update's inputs go in as an argument, not in a closure:
-            # under tf.distribute the condition is taken in cross-replica
-            # context, and each replica's update then runs with that
-            # replica's gradients (see `cond_update`).
-            backend_gradients.cond_update(
-                condition, self._transform_and_apply, grads_and_vars
-            )
-            return
-        variables = [v for _, v in grads_and_vars]
-        targets = _unique(variables + self.variables)
-        if (
-            keras.backend.backend() == "torch"
-            and not _keras_internals.in_stateless_scope()
-        ):
-            backups = self.__dict__.get("_skip_backups")
-            if backups is None:
-                backups = backend_gradients.SkipBackups()
-                self.__dict__["_skip_backups"] = backups
-            backend_gradients.update_in_place_unless_skipped(
-                condition,
-                self._transform_and_apply,
-                grads_and_vars,
-                targets,
-                backups,
-            )
-            return
-        current = [t.value for t in targets]
-        if keras.backend.backend() == "jax":
-            # `lax.cond`, not a select: XLA's CPU backend does not fuse a
-            # select on a scalar predicate into the update's fusions, which
-            # made it one more pass over all of the state (the skip cost
-            # 1.22x a plain step, against 1.06x with the cond).
-            def applied():
-                with keras.StatelessScope(
-                    state_mapping=list(zip(targets, current))
-                ) as scope:
-                    self._transform_and_apply(grads_and_vars)
-                return [scope.get_current_value(t) for t in targets]
-
-            values = ops.cond(condition, applied, lambda: current)
-            for target, value in zip(targets, values):
-                target.assign(value)
-            return
-        mapping = list(
-            zip(targets, backend_gradients.copies_for_update(current))
+        skip.update_unless_skipped(
+            self, condition, self._transform_and_apply, grads_and_vars
         )
-        with keras.StatelessScope(state_mapping=mapping) as scope:
-            self._transform_and_apply(grads_and_vars)
-        for target, old in zip(targets, current):
-            target.assign(
-                ops.where(condition, scope.get_current_value(target), old)
-            )
-
-    def _check_gradient_dtypes(self, grads_and_vars):
-        for grad, variable in grads_and_vars:
-            if grad is None:
-                continue
-            grad_dtype = keras.backend.standardize_dtype(grad.dtype)
-            var_dtype = keras.backend.standardize_dtype(
-                _keras_internals.stored_dtype(variable)
-            )
-            if grad_dtype != var_dtype and keras.backend.is_float_dtype(
-                var_dtype
-            ):
-                raise ValueError(
-                    f"The gradient of variable {variable.path!r} is "
-                    f"{grad_dtype} but the variable is {var_dtype}; gradients "
-                    "must have their variable's dtype. Received a "
-                    f"{grad_dtype} gradient. Take gradients with respect to "
-                    "the variables themselves (not their autocast reads), or "
-                    "cast the gradient to the variable's dtype."
-                )
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         return keras.optimizers.Optimizer.stateless_apply(
@@ -591,14 +501,53 @@ def transformed_loss(transform, loss, tape=None):
     return transform(loss)
 
 
+def _checked_inner_optimizer(class_name, inner_optimizer, kwargs):
+    """The optimizer to wrap (also as tf.keras's `optimizer=`, popped from
+    `kwargs`), refused unless it is an unwrapped Keras optimizer."""
+    if "optimizer" in kwargs:
+        if inner_optimizer is not None:
+            raise TypeError(
+                "Pass the optimizer to wrap once, as `inner_optimizer`. "
+                f"Received: inner_optimizer={inner_optimizer!r} and "
+                f"optimizer={kwargs['optimizer']!r}"
+            )
+        inner_optimizer = kwargs.pop("optimizer")
+    optimizer = inner_optimizer
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            f"{class_name} wraps a keras.optimizers.Optimizer. "
+            f"Received: inner_optimizer={optimizer!r} (of type "
+            f"{type(optimizer).__name__}). Pass e.g. "
+            "keras.optimizers.Adam(1e-3)."
+        )
+    owner = getattr(optimizer, "_keras_mp_wrapped_by", None)
+    if owner is not None:
+        raise ValueError(
+            f"The optimizer {optimizer.name!r} is already wrapped by "
+            f"{owner!r}; two wrappers cannot share one inner optimizer. "
+            "Wrap a fresh optimizer, or wrap the existing wrapper."
+        )
+    return optimizer
+
+
+def _check_gradient_dtypes(grads_and_vars):
+    for grad, variable in grads_and_vars:
+        if grad is None:
+            continue
+        grad_dtype = keras.backend.standardize_dtype(grad.dtype)
+        var_dtype = keras.backend.standardize_dtype(
+            _keras_internals.stored_dtype(variable)
+        )
+        if grad_dtype != var_dtype and keras.backend.is_float_dtype(var_dtype):
+            raise ValueError(
+                f"The gradient of variable {variable.path!r} is "
+                f"{grad_dtype} but the variable is {var_dtype}; gradients "
+                "must have their variable's dtype. Received a "
+                f"{grad_dtype} gradient. Take gradients with respect to "
+                "the variables themselves (not their autocast reads), or "
+                "cast the gradient to the variable's dtype."
+            )
+
+
 def _is_wrapper(optimizer):
     return isinstance(optimizer, OptimizerWrapper)
-
-
-def _unique(variables):
-    seen, result = set(), []
-    for variable in variables:
-        if id(variable) not in seen:
-            seen.add(id(variable))
-            result.append(variable)
-    return result
