@@ -544,16 +544,18 @@ FUSED_OPTIMIZERS = {
 
 def _record_fused_updates(monkeypatch):
     """Records what each fused update returned (True: it ran)."""
-    from keras_mp.backend import optimizer_state
+    from keras_mp.backend import fused_state_update
 
     results = []
-    call = optimizer_state.FusedStateUpdate.__call__
+    call = fused_state_update.FusedStateUpdate.__call__
 
     def recorded(self, *args):
         results.append(call(self, *args))
         return results[-1]
 
-    monkeypatch.setattr(optimizer_state.FusedStateUpdate, "__call__", recorded)
+    monkeypatch.setattr(
+        fused_state_update.FusedStateUpdate, "__call__", recorded
+    )
     return results
 
 
@@ -589,16 +591,16 @@ def _train_mixed_shapes(optimizer, steps=4):
 def test_torch_fused_update_is_bit_identical_to_the_update_step_path(
     monkeypatch, name, state_dtype, stochastic_rounding
 ):
-    from keras_mp.backend import optimizer_state
+    from keras_mp.backend import fused_state_update
 
     # Batches of 64 elements: the (300,) variable spans several batches and
     # the small ones share batches, as large and small variables do in a
     # real model with the default batch size.
-    monkeypatch.setattr(optimizer_state, "_BATCH_ELEMENTS", 64)
+    monkeypatch.setattr(fused_state_update, "_BATCH_ELEMENTS", 64)
     results = _record_fused_updates(monkeypatch)
 
     def trained(fused):
-        monkeypatch.setattr(optimizer_state, "FUSED_TORCH_UPDATES", fused)
+        monkeypatch.setattr(fused_state_update, "FUSED_TORCH_UPDATES", fused)
         # The stochastic rounding seed is drawn when the wrapper is created.
         keras.utils.set_random_seed(1)
         optimizer = keras_mp.OptimizerWrapper(
@@ -632,12 +634,12 @@ def test_torch_fused_update_is_bit_identical_to_the_update_step_path(
 def test_torch_fused_update_with_master_weights_matches_the_generic_path(
     monkeypatch,
 ):
-    from keras_mp.backend import optimizer_state
+    from keras_mp.backend import fused_state_update
 
     results = _record_fused_updates(monkeypatch)
 
     def trained(fused):
-        monkeypatch.setattr(optimizer_state, "FUSED_TORCH_UPDATES", fused)
+        monkeypatch.setattr(fused_state_update, "FUSED_TORCH_UPDATES", fused)
         keras.utils.set_random_seed(0)
         optimizer = keras_mp.LossScaleOptimizer(
             keras.optimizers.Adam(1e-3),

@@ -17,6 +17,7 @@ from keras import ops
 
 from keras_mp import _keras_internals
 from keras_mp import _random_bits
+from keras_mp.backend import fused_state_update
 from keras_mp.backend import gradients as backend_gradients
 from keras_mp.backend import optimizer_state
 from keras_mp.optimizers.overwrite_with_gradient import overwrites_with_gradient
@@ -162,7 +163,7 @@ class StatePrecisionMixin:
         # a few in-place calls per batch of elements.
         optimizer_state.route_updates_through_update_step(
             base,
-            optimizer_state.FusedStateUpdate(
+            fused_state_update.FusedStateUpdate(
                 base,
                 state_dtype,
                 self._stochastic_rounding,

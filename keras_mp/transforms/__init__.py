@@ -7,13 +7,13 @@ tuple or a plain callable; it has `get_config`/`from_config` and, when it
 keeps state in Keras variables, `get_state`/`set_state`.
 """
 
-from keras_mp.transforms.base import CallableTransform
-from keras_mp.transforms.base import Chain
 from keras_mp.transforms.base import Transform
-from keras_mp.transforms.base import deserialize
-from keras_mp.transforms.base import get
 from keras_mp.transforms.base import register_transform
-from keras_mp.transforms.base import serialize
+from keras_mp.transforms.chain import CallableTransform
+from keras_mp.transforms.chain import Chain
+from keras_mp.transforms.chain import deserialize
+from keras_mp.transforms.chain import get
+from keras_mp.transforms.chain import serialize
 from keras_mp.transforms.clipping import AdaptiveClipByGlobalNorm
 from keras_mp.transforms.clipping import ClipByGlobalNorm
 from keras_mp.transforms.clipping import ClipByNorm
