@@ -29,6 +29,10 @@ from keras_mp.testing import assert_bitwise_equal
 from keras_mp.testing import assert_close
 from keras_mp.testing import run_python
 
+# Under pytest-xdist the module's tests share one worker, so its
+# module-scoped children run once.
+pytestmark = pytest.mark.xdist_group("distribution")
+
 # Largest relative difference (to the largest weight of each tensor) between
 # weights trained with a float16 and with a float32 all-reduce of the
 # scaled gradients, a few steps in. float16 keeps 11 significant bits

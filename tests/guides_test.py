@@ -43,6 +43,7 @@ def test_guides_and_examples_are_found():
 # Run by the dedicated tests below, which also check what they produce.
 _CHECKED_SEPARATELY = {
     "examples/quickstart.py",
+    "guides/debugging_overflows.py",
     "guides/mixed_precision_with_fit.py",
 }
 

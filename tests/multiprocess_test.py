@@ -39,6 +39,10 @@ from keras_mp.testing import assert_close
 # block CI: both processes are killed after it.
 TIMEOUT = 180
 
+# Under pytest-xdist the module's tests share one worker, so its
+# module-scoped children run once.
+pytestmark = pytest.mark.xdist_group("multiprocess")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Shared by every process: data, model, optimizer and saving results.
