@@ -4,8 +4,9 @@
 innermost Keras optimizer (created, updated in float32 and stored rounded,
 to nearest or stochastically), float32 master copies of 16-bit weights, and
 the matching of their checkpoint values. Imports `keras_mp.backend`,
-`keras_mp._random_bits` and `keras_mp._keras_internals`; never
-`optimizers/wrapper.py` or a module above it.
+`keras_mp._random_bits`, `keras_mp._keras_internals` and
+`optimizers/overwrite_with_gradient.py`; never `optimizers/wrapper.py` or a
+module above it.
 """
 
 import random
