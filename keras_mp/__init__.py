@@ -1,5 +1,7 @@
 """keras_mp: complete mixed precision and customizable optimizers for Keras 3.
 
+The package's face: it imports every floor and nothing in keras_mp imports it.
+
 The public API of RFC 293 (Keras Mixed Precision API) and RFC 234 (Easily
 Customizable Optimizer.minimize) on the TensorFlow, JAX and PyTorch backends
 of Keras 3.

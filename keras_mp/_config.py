@@ -1,4 +1,7 @@
-"""Checks of the configs `from_config` receives (hand-written ones included)."""
+"""Checks of the configs `from_config` receives (hand-written ones included).
+
+Imports nothing from keras_mp.
+"""
 
 import inspect
 

@@ -1,4 +1,9 @@
-"""Callbacks that make loss scaling visible in `fit` logs."""
+"""Callbacks that make loss scaling visible in `fit` logs.
+
+Imports from keras_mp only `backend.training_state`,
+`optimizers.loss_scale_optimizer`, `optimizers.overflow`, `optimizers.wrapper`;
+nothing above its floor (see ARCHITECTURE.md).
+"""
 
 import keras
 from keras import ops

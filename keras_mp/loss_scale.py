@@ -1,4 +1,8 @@
-"""Loss scales: how much to multiply the loss by before taking gradients."""
+"""Loss scales: how much to multiply the loss by before taking gradients.
+
+Imports from keras_mp only `_config`; nothing above its floor (see
+ARCHITECTURE.md).
+"""
 
 import math
 import numbers

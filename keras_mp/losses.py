@@ -1,5 +1,7 @@
 """Dtype-aware losses: float32 by default, whatever the global policy.
 
+Imports nothing from keras_mp.
+
 Under a mixed precision policy a model's outputs are float16 or bfloat16.
 Computing the loss in that dtype loses the small differences that training
 feeds on, and reducing a large batch in float16 can overflow. RFC 293

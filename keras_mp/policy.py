@@ -1,4 +1,8 @@
-"""Dtype policies with a loss scale, and the process-global policy."""
+"""Dtype policies with a loss scale, and the process-global policy.
+
+Imports from keras_mp only `_keras_internals`, `backend.devices`, `loss_scale`;
+nothing above its floor (see ARCHITECTURE.md).
+"""
 
 import contextlib
 import threading

@@ -1,1 +1,4 @@
-"""Backend-specific code: only what `keras.ops` cannot express."""
+"""Backend-specific code: only what `keras.ops` cannot express.
+
+Imports nothing from keras_mp.
+"""

@@ -1,5 +1,7 @@
 """Collectives that `keras.ops` cannot express.
 
+Imports nothing from keras_mp.
+
 Across PyTorch processes (`torch.distributed`): the finite flag of a step,
 reduced so that every process decides alike (`all_processes_finite`), and
 the check that `aggregate_in_float16` can take effect

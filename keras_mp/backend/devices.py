@@ -1,4 +1,7 @@
-"""What the accelerator can do, asked of the active Keras backend."""
+"""What the accelerator can do, asked of the active Keras backend.
+
+Imports nothing from keras_mp.
+"""
 
 import platform
 import sys

@@ -1,4 +1,7 @@
-"""Gradients and cross-replica aggregation: what `keras.ops` cannot express."""
+"""Gradients and cross-replica aggregation: what `keras.ops` cannot express.
+
+Imports nothing from keras_mp.
+"""
 
 import collections
 import threading

@@ -1,4 +1,7 @@
-"""Memory of a training step, where the backend exposes it."""
+"""Memory of a training step, where the backend exposes it.
+
+Imports nothing from keras_mp.
+"""
 
 import keras
 

@@ -1,5 +1,7 @@
 """Compiled matmuls to time, one per backend, for `keras_mp.recommend_policy`.
 
+Imports nothing from keras_mp.
+
 Each runner multiplies a square matrix by another `chain` times in one
 compiled call and returns only a scalar, so a call costs `2 * size**3 *
 chain` floating point operations plus a negligible reduction and transfer.

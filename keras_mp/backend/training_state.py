@@ -1,5 +1,7 @@
 """Optimizer variable values in the middle of `Model.fit`, on any backend.
 
+Imports nothing from keras_mp.
+
 On TensorFlow (and torch) the variables themselves are updated every step.
 The JAX trainer (keras 3.10 - 3.15) instead carries the state through its
 jitted step as arrays and writes them back to the variables only at the end

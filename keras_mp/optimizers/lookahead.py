@@ -1,4 +1,8 @@
-"""Lookahead: an optimizer wrapper written on the RFC 234 pipeline."""
+"""Lookahead: an optimizer wrapper written on the RFC 234 pipeline.
+
+Imports from keras_mp only `optimizers.overwrite_with_gradient`,
+`optimizers.wrapper`; nothing above its floor (see ARCHITECTURE.md).
+"""
 
 import numbers
 

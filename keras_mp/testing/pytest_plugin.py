@@ -1,5 +1,7 @@
 """pytest plugin of the keras_mp suite: backend markers and state reset.
 
+Imports the library; the library never imports it.
+
 Loaded with `-p keras_mp.testing.pytest_plugin` (see pyproject.toml), so that
 doctests inside `keras_mp/` get the same fixtures as `tests/`.
 """

@@ -1,4 +1,8 @@
-"""Gradient clipping transforms: by value, by norm, by global norm."""
+"""Gradient clipping transforms: by value, by norm, by global norm.
+
+Imports from keras_mp only `backend.gradients`, `transforms.base`; nothing
+above its floor (see ARCHITECTURE.md).
+"""
 
 import keras
 from keras import ops

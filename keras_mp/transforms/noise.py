@@ -1,4 +1,8 @@
-"""Noise transforms: Gaussian gradient noise."""
+"""Noise transforms: Gaussian gradient noise.
+
+Imports from keras_mp only `transforms.base`; nothing above its floor (see
+ARCHITECTURE.md).
+"""
 
 import numbers
 

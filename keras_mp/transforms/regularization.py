@@ -1,4 +1,8 @@
-"""Regularizing transforms: gradient centralization, decoupled weight decay."""
+"""Regularizing transforms: gradient centralization, decoupled weight decay.
+
+Imports from keras_mp only `transforms.base`; nothing above its floor (see
+ARCHITECTURE.md).
+"""
 
 from keras import ops
 

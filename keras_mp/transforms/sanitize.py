@@ -1,4 +1,8 @@
-"""Sanitizing transforms: replacing non-finite gradient entries."""
+"""Sanitizing transforms: replacing non-finite gradient entries.
+
+Imports from keras_mp only `backend.gradients`, `transforms.base`; nothing
+above its floor (see ARCHITECTURE.md).
+"""
 
 from keras import ops
 
