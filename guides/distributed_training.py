@@ -650,12 +650,14 @@ def ddp_train(rank, steps):
 # window. A NaN in any micro-batch of any process reaches that sum, so
 # every process skips the window.
 #
-# An inner optimizer with Keras's `gradient_accumulation_steps` keeps its
-# own accumulators instead, which under `no_sync` hold each process's own
-# gradients: keras_mp then reduces the window's finite flag with MAX across
-# processes, so that a non-finite micro-step in one process makes every
-# process discard the window, but the applied windows would differ between
-# processes. Under `no_sync`, accumulate in `.grad` as here.
+# An inner optimizer with Keras's `gradient_accumulation_steps` (under a
+# keras_mp LossScaleOptimizer) works too, with `apply` at every
+# micro-step: its accumulators hold each process's own micro-gradients
+# under `no_sync`, so keras_mp reduces the window's finite flag with MAX
+# across processes (a non-finite micro-step anywhere discards the window
+# everywhere) and averages the accumulators across processes before the
+# window's update (one all-reduce per window), so every process applies the
+# global window. Accumulating in `.grad`, as here, needs neither.
 
 
 def no_sync_train(rank, steps, micro_batches=2):

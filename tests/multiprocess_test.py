@@ -485,6 +485,12 @@ with ddp_model.no_sync():
 ddp_step(ddp_model, model, optimizer, local_rows(1), poisoned)
 save("accumulation_skipped", state(model, optimizer))
 results["accumulation_counters_skipped"] = counters(optimizer)
+# Then a finite window the same way: each process's accumulator holds its
+# own first micro-step, until they are averaged at the last one.
+with ddp_model.no_sync():
+    ddp_step(ddp_model, model, optimizer, local_rows(0), y)
+ddp_step(ddp_model, model, optimizer, local_rows(1), y)
+save("accumulation_applied", state(model, optimizer))
 
 # 4. float16 all-reduce: keras_mp's flag, then DDP's compression hook.
 model = make_model()
@@ -532,6 +538,15 @@ for labels in (y, poisoned, y):
     with torch.no_grad():
         optimizer.apply([v.value.grad for v in variables], variables)
 save("one_process_window", state(model, optimizer))
+
+# Keras's accumulation on one process: the poisoned window, then the finite
+# one, each micro-step on its global batch.
+model = make_model()
+optimizer = make_optimizer(inner_kwargs={"gradient_accumulation_steps": 2})
+for labels in (poisoned, y):
+    for rows in (slice(0, 16), slice(16, 32)):
+        one_process_step(model, optimizer, rows, labels)
+save("one_process_accumulation", state(model, optimizer))
 finish()
 """
 
@@ -584,6 +599,19 @@ def test_keras_accumulation_under_no_sync_discards_the_window_everywhere(
     for results, arrays in torch_ranks:
         _assert_skipped(results, arrays, "accumulation")
     _assert_processes_identical(torch_ranks, "accumulation_skipped")
+
+
+@pytest.mark.backends("torch")
+@pytest.mark.slow
+def test_keras_accumulation_under_no_sync_applies_the_global_window(
+    torch_ranks,
+):
+    # Each process accumulated only its own first micro-step: without the
+    # average at the window's end, the processes applied different updates.
+    _assert_processes_identical(torch_ranks, "accumulation_applied")
+    _assert_close_to_one_process(
+        torch_ranks, "accumulation_applied", "one_process_accumulation"
+    )
 
 
 @pytest.mark.backends("torch")

@@ -3,9 +3,10 @@
 Imports nothing from keras_mp.
 
 Across PyTorch processes (`torch.distributed`): the finite flag of a step,
-reduced so that every process decides alike (`all_processes_finite`), and
-the check that `aggregate_in_float16` can take effect
-(`check_float16_aggregation`).
+reduced so that every process decides alike (`all_processes_finite`), the
+gradient accumulators averaged at a window's end
+(`average_across_processes_where`), and the check that
+`aggregate_in_float16` can take effect (`check_float16_aggregation`).
 
 Collective keys of tf.distribute strategies:
 
@@ -122,6 +123,44 @@ def all_processes_finite(is_finite):
     not_finite = torch.logical_not(is_finite).to(torch.int32)
     dist.all_reduce(not_finite, op=dist.ReduceOp.MAX)
     return not_finite == 0
+
+
+def average_across_processes_where(condition, variables):
+    """Averages `variables` across torch.distributed processes if
+    `condition` holds.
+
+    For the gradient accumulators of Keras's `gradient_accumulation_steps`
+    under DistributedDataParallel: inside `no_sync` each process adds only
+    its own micro-gradients, so at the window's last micro-step the
+    processes hold different sums and would apply different updates.
+    DistributedDataParallel averages gradients, so the average of the
+    accumulators is the global window's (and a no-op, across processes that
+    already agree, when every micro-step was synced). One all-reduce of all
+    accumulators, at the last micro-step only: `condition` is read on the
+    host, as PyTorch's eager step may (DESIGN.md: "The skip decision and
+    the host"), and only with a process group of several processes.
+
+    Args:
+        condition: A bool scalar tensor, the same in every process.
+        variables: Keras variables (one all-reduce per dtype).
+    """
+    world_size = _torch_world_size()
+    if world_size == 1 or not variables or not bool(condition):
+        return
+    import torch
+    import torch.distributed as dist
+
+    by_dtype = {}
+    for variable in variables:
+        by_dtype.setdefault(variable.value.dtype, []).append(variable)
+    for group in by_dtype.values():
+        values = [v.value for v in group]
+        flat = torch.cat([value.reshape(-1) for value in values])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat.div_(world_size)
+        parts = torch.split(flat, [value.numel() for value in values])
+        for variable, part in zip(group, parts):
+            variable.assign(part.view_as(variable.value))
 
 
 def check_float16_aggregation(has_aggregate_gradients_fn):

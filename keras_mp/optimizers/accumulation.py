@@ -75,6 +75,12 @@ class AccumulationMixin:
             )
             for g, v in grads_and_vars
         ]
+        # Under `no_sync` each process's accumulators also hold only its
+        # own micro-gradients: averaged across processes before the last
+        # micro-step's update, every process applies the global window.
+        collectives.average_across_processes_where(
+            last, _keras_internals.accumulated_gradients(base)
+        )
         self.apply_if(
             ops.logical_or(ops.logical_not(last), window_finite), safe
         )
