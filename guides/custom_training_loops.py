@@ -19,7 +19,9 @@ section that runs is chosen by the backend:
   is decided on the device.
 
 Each then feeds one batch that overflows and check that the step was skipped
-with every weight left bit for bit as it was.
+with every weight left bit for bit as it was. Before that, on every backend,
+a section for readers coming from torch.amp or DeepSpeed: what each of
+their settings becomes, and how a run continues with their scaler's state.
 
 How the optimizer knows whether to divide by the scale: it records, while
 the step is built, what you called since the last update.
@@ -343,6 +345,85 @@ def run_torch(steps):
     report(model, optimizer)
 
 
+# ## Coming from torch.amp or DeepSpeed
+#
+# What each piece of a torch.amp loop becomes:
+#
+# - `torch.autocast("cuda", dtype=torch.float16)` around the forward pass:
+#   `keras_mp.set_global_policy("mixed_float16")` before building the model
+#   (or `with keras_mp.policy_scope("mixed_float16"):` around building some
+#   layers). A policy is decided per layer when the layer is created, not
+#   per op while it runs; float32 islands (`precision_rules`) play the part
+#   of autocast's float32 op list.
+# - `GradScaler(init_scale, growth_factor, backoff_factor, growth_interval)`:
+#   `keras_mp.DynamicLossScale(initial_loss_scale=init_scale,
+#   multiplier=growth_factor, increment_period=growth_interval)`. One
+#   factor does both, so `backoff_factor` is `1 / growth_factor`; keras_mp
+#   adds a floor, `min_loss_scale` (1 by default), which GradScaler lacks.
+# - `GradScaler(enabled=False)`, as for bfloat16: no loss scale; the
+#   `"mixed_bfloat16"` policy has none.
+# - `scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`:
+#   the `LossScaleOptimizer` loops above (it scales, unscales, skips and
+#   updates the scale).
+# - DeepSpeed's `"fp16"` block: `DynamicLossScale.from_deepspeed(config)`;
+#   `initial_scale_power` p gives `2**p`, `loss_scale_window` the
+#   `increment_period`, `hysteresis` and `min_loss_scale` keep their names.
+#   A static `loss_scale` > 0 is `keras_mp.FixedLossScale(loss_scale)`.
+#   The docstring of `from_deepspeed` says where the steps differ (without
+#   ZeRO DeepSpeed grows one step later; its hysteresis counts overflows
+#   per growth unless `consecutive_hysteresis` is set).
+#
+# To continue a run, `DynamicLossScale.from_torch(state_dict)` and
+# `from_deepspeed(config, state)` take the saved scaler state: the scale
+# and the count of finite steps continue where they stopped. Give the
+# result to the optimizer, which creates its variables with that state.
+
+
+def coming_from_torch_or_deepspeed():
+    # What `torch.load(...)["scaler"]` holds after `scaler.state_dict()`:
+    # 1999 finite steps in a row since the scale last changed.
+    grad_scaler_state = {
+        "scale": 2.0**14,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2000,
+        "_growth_tracker": 1999,
+    }
+    scale = keras_mp.DynamicLossScale.from_torch(grad_scaler_state)
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.Adam(1e-3), loss_scale=scale
+    )
+    optimizer.build([keras.Variable(np.zeros(3, "float32"))])
+    print(
+        f"  from a GradScaler: scale {float(optimizer.loss_scale()):g}, "
+        f"{int(keras.ops.convert_to_numpy(scale.num_good_steps))} finite "
+        "steps counted"
+    )
+    # The next finite step is the 2000th in a row: the scale doubles, as
+    # GradScaler's `update()` would double it. (Called by hand here; the
+    # optimizer calls it once per step.)
+    scale.update(True)
+    print(f"  after one more finite step: {float(scale()):g}")
+
+    ds_config = {
+        "train_batch_size": 32,
+        "fp16": {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": 16,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        },
+    }
+    scale = keras_mp.DynamicLossScale.from_deepspeed(ds_config)
+    print(
+        f"  from a DeepSpeed fp16 block: scale {float(scale()):g}, "
+        f"increment_period {scale.increment_period}, hysteresis "
+        f"{scale.hysteresis}, min_loss_scale {scale.min_loss_scale:g}"
+    )
+
+
 def after_step_checks(model, optimizer, before):
     after = [
         np.array(keras.ops.convert_to_numpy(v.value))
@@ -368,6 +449,8 @@ def main(argv=None):
     args = parse_args(argv)
     steps = 5 if args.quick else args.steps
     backend = keras.backend.backend()
+    print("Coming from torch.amp or DeepSpeed:")
+    coming_from_torch_or_deepspeed()
     if backend == "tensorflow":
         run_tensorflow(steps)
     elif backend == "jax":
