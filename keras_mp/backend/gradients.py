@@ -85,25 +85,37 @@ def _torch_gradients(loss_fn, variables):
     return list(grads)
 
 
-def all_reduce_sum(grads):
-    """Sums gradients across replicas when running under tf.distribute.
-
-    Outside a replica context (one device, or JAX where sharded gradients
-    are already global inside `jax.jit`) the gradients are returned as is.
-    """
+def _replica_context_of_several():
+    """The tf.distribute replica context when running in one with several
+    replicas, else None (another backend, no strategy, cross-replica
+    context, or a single replica)."""
     if _backend() != "tensorflow":
-        return grads
+        return None
     import tensorflow as tf
 
     if (
         not tf.distribute.has_strategy()
         or tf.distribute.in_cross_replica_context()
     ):
-        return grads
+        return None
     replica_context = tf.distribute.get_replica_context()
+    if replica_context.num_replicas_in_sync == 1:
+        return None
+    return replica_context
+
+
+def all_reduce_sum(grads):
+    """Sums gradients across replicas when running under tf.distribute.
+
+    Outside a replica context (one device, or JAX where sharded gradients
+    are already global inside `jax.jit`) the gradients are returned as is.
+    """
+    replica_context = _replica_context_of_several()
     present = [g for g in grads if g is not None]
-    if not present or replica_context.num_replicas_in_sync == 1:
+    if replica_context is None or not present:
         return grads
+    import tensorflow as tf
+
     reduced = iter(
         replica_context.all_reduce(tf.distribute.ReduceOp.SUM, present)
     )
@@ -119,18 +131,11 @@ def all_reduce_max(values):
     and takes their maximum. Elsewhere the values are returned as they are
     (JAX's are global inside `jax.jit`).
     """
-    if _backend() != "tensorflow" or not any(v is not None for v in values):
+    replica_context = _replica_context_of_several()
+    if replica_context is None or all(v is None for v in values):
         return values
     import tensorflow as tf
 
-    if (
-        not tf.distribute.has_strategy()
-        or tf.distribute.in_cross_replica_context()
-    ):
-        return values
-    replica_context = tf.distribute.get_replica_context()
-    if replica_context.num_replicas_in_sync == 1:
-        return values
     return [
         None
         if v is None
