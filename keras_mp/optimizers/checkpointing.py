@@ -2,7 +2,7 @@
 
 `CheckpointMixin`, a base of `OptimizerWrapper`: the wrapper's checkpoint
 layout (the inner optimizer's variables under its own path, the wrapper's
-own in `_WrapperState`), restore that holds values until `build` creates
+own in `WrapperState`), restore that holds values until `build` creates
 the variables, `get_weights`/`set_weights`; and `restore_at_build`, which
 `Model.compile` applies to the plain Keras optimizers it keeps. Imports
 `keras_mp.backend` and `keras_mp._keras_internals`; never
@@ -155,7 +155,7 @@ class CheckpointMixin:
         """Restores checkpointed state, all of it or none.
 
         Keras's loader calls `load_own_variables` (the inner optimizer's
-        layout) and then `_WrapperState.load_own_variables` (the wrapper's
+        layout) and then `WrapperState.load_own_variables` (the wrapper's
         own variables, an empty entry in a plain optimizer's checkpoint).
         The first is held until the second arrives, so a mismatch in either
         leaves every variable as it was. Into an optimizer that is not built
@@ -302,18 +302,20 @@ def restore_at_build(optimizer):
 
 
 def _restore(optimizer, values):
-    variables = optimizer.variables
-    shapes = [tuple(np.shape(value)) for value in values]
-    expected = [tuple(variable.shape) for variable in variables]
-    if shapes != expected:
+    # `_assign_all` checks count and shapes before assigning anything; as
+    # Keras skips an unbuilt optimizer's state, a mismatch found only now
+    # is dropped with a warning rather than failing the first step.
+    try:
+        _assign_all(
+            optimizer.variables,
+            values,
+            f"optimizer {optimizer.name!r}'s checkpoint",
+        )
+    except ValueError as error:
         warnings.warn(
             f"Dropped the state of optimizer {optimizer.name!r} loaded "
-            f"before it was built: the checkpoint holds {len(values)} "
-            f"variables of shapes {shapes}, the optimizer built for this "
-            f"model has {len(variables)} of shapes {expected}. It starts "
-            "fresh (iterations 0, empty slots). Load a checkpoint saved "
-            "from the same model and optimizer class.",
+            f"before it was built: {error} It starts fresh (iterations 0, "
+            "empty slots). Load a checkpoint saved from the same model and "
+            "optimizer class.",
             stacklevel=4,
         )
-        return
-    _assign_all(variables, values, f"optimizer {optimizer.name!r}'s checkpoint")
