@@ -10,6 +10,7 @@ of Keras 3.
 # First: it raises ImportError under a backend keras_mp does not support.
 from keras_mp import _supported_backends  # noqa: F401, I001
 from keras_mp import callbacks
+from keras_mp import fp8
 from keras_mp import losses
 from keras_mp import models
 from keras_mp import optimizers
@@ -48,6 +49,7 @@ __all__ = [
     "callbacks",
     "enable_autocast",
     "explain_precision",
+    "fp8",
     "global_policy",
     "losses",
     "models",

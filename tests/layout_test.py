@@ -29,6 +29,11 @@ _ALLOWED = {
         "keras_mp._keras_internals",
         "keras_mp.backend",
     ),
+    "keras_mp.fp8": (
+        "keras_mp._config",
+        "keras_mp._keras_internals",
+        "keras_mp.backend",
+    ),
     "keras_mp.optimizers": (
         "keras_mp._config",
         "keras_mp._keras_internals",

@@ -1,0 +1,10 @@
+"""FP8 training: recipes, quantization and FP8 GEMMs on every backend.
+
+`keras_mp.fp8` sits on floor 3 beside `transforms/`: it imports only
+`keras_mp.backend` and floor 1 (see ARCHITECTURE.md).
+"""
+
+from keras_mp.fp8.recipe import DEFAULT_RECIPE
+from keras_mp.fp8.recipe import Recipe
+
+__all__ = ["DEFAULT_RECIPE", "Recipe"]

@@ -1,0 +1,174 @@
+"""`Recipe`: how a GEMM runs in FP8, as a plain serializable value.
+
+A recipe says which FP8 formats the operands take, how their scales are
+chosen and at what granularity, as Transformer Engine's
+`transformer_engine.common.recipe` does, without tying it to one framework.
+Imports only `keras_mp._config`.
+"""
+
+import numbers
+
+import keras
+
+from keras_mp import _config
+
+SCALINGS = ("current", "delayed")
+GRANULARITIES = ("tensorwise", "rowwise", "block")
+FORMATS = ("hybrid", "e4m3")
+AMAX_ALGOS = ("max", "most_recent")
+
+# DeepSeek-V3's tiles: 1x128 for activations and gradients, 128x128 for
+# weights. A GEMM in "block" granularity needs its dimensions to be multiples.
+BLOCK_SIZE = 128
+
+
+def _check_choice(name, value, choices):
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(
+            f"`{name}` is one of {list(choices)}. Received: {name}={value!r}"
+        )
+
+
+def _check_int(name, value, minimum):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value < minimum
+    ):
+        raise ValueError(
+            f"`{name}` is an integer >= {minimum}. Received: {name}={value!r}"
+        )
+    return int(value)
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class Recipe:
+    """How the GEMMs of a layer run in FP8.
+
+    Each GEMM of a layer (the forward product, the input gradient and the
+    kernel gradient) takes FP8 operands: a tensor `x` becomes codes `c` of
+    an FP8 format and a float32 power-of-two scale `s` with `x ≈ c * s`,
+    and the product of codes is accumulated in float32 and multiplied by
+    the scales. A recipe says which formats, which scales and how many.
+
+    Args:
+        scaling: `"current"` takes each scale from this step's amax (the
+            largest absolute value) and keeps no state; `"delayed"` takes
+            it from a history of earlier steps' amaxes, kept in
+            non-trainable variables of the layer. Defaults to `"current"`.
+        granularity: How many values share a scale. `"tensorwise"`: one
+            per tensor. `"rowwise"`: one per row of the contracted
+            dimension (per token for activations and gradients, per output
+            channel for kernels). `"block"`: DeepSeek-V3's tiles, 1x128 for
+            activations and output gradients, 128x128 for kernels; the
+            GEMM's dimensions must be multiples of 128. Defaults to
+            `"tensorwise"`.
+        formats: `"hybrid"` (E4M3 for inputs and kernels, E5M2 for output
+            gradients, whose range matters more than their precision) or
+            `"e4m3"` (E4M3 everywhere). Defaults to `"hybrid"`.
+        margin: The scale leaves `2**margin` of headroom below the format's
+            largest value. Defaults to `0`.
+        amax_history: Steps of amax kept with `scaling="delayed"`. Defaults
+            to `1024`.
+        amax_algo: With `scaling="delayed"`, the scale follows the
+            history's `"max"` or its `"most_recent"` entry. Defaults to
+            `"max"`.
+
+    Example:
+
+    >>> recipe = keras_mp.fp8.Recipe(granularity="rowwise")
+    >>> recipe.granularity, recipe.formats
+    ('rowwise', 'hybrid')
+    >>> keras_mp.fp8.Recipe.from_config(recipe.get_config()) == recipe
+    True
+    """
+
+    def __init__(
+        self,
+        scaling="current",
+        granularity="tensorwise",
+        formats="hybrid",
+        margin=0,
+        amax_history=1024,
+        amax_algo="max",
+    ):
+        _check_choice("scaling", scaling, SCALINGS)
+        _check_choice("granularity", granularity, GRANULARITIES)
+        _check_choice("formats", formats, FORMATS)
+        _check_choice("amax_algo", amax_algo, AMAX_ALGOS)
+        self._scaling = scaling
+        self._granularity = granularity
+        self._formats = formats
+        self._margin = _check_int("margin", margin, 0)
+        self._amax_history = _check_int("amax_history", amax_history, 1)
+        self._amax_algo = amax_algo
+
+    scaling = property(lambda self: self._scaling)
+    granularity = property(lambda self: self._granularity)
+    formats = property(lambda self: self._formats)
+    margin = property(lambda self: self._margin)
+    amax_history = property(lambda self: self._amax_history)
+    amax_algo = property(lambda self: self._amax_algo)
+
+    @property
+    def forward_format(self):
+        """The FP8 format of inputs and kernels: always `"e4m3"`."""
+        return "e4m3"
+
+    @property
+    def backward_format(self):
+        """The FP8 format of output gradients: `"e5m2"` when hybrid."""
+        return "e5m2" if self._formats == "hybrid" else "e4m3"
+
+    def get_config(self):
+        return {
+            "scaling": self._scaling,
+            "granularity": self._granularity,
+            "formats": self._formats,
+            "margin": self._margin,
+            "amax_history": self._amax_history,
+            "amax_algo": self._amax_algo,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        _config.check_config(cls, config, required=[])
+        return cls(**config)
+
+    def __eq__(self, other):
+        return type(other) is type(self) and (
+            other.get_config() == self.get_config()
+        )
+
+    def __hash__(self):
+        return hash(tuple(sorted(self.get_config().items())))
+
+    def __repr__(self):
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"Recipe({fields})"
+
+
+DEFAULT_RECIPE = Recipe()
+
+
+def get(recipe):
+    """Returns the `Recipe` that `recipe` names: `True` is the default one.
+
+    Args:
+        recipe: A `Recipe`, `True`, `None`, or a config dict.
+
+    Returns:
+        A `Recipe`, or `None` for `None` and `False`.
+    """
+    if recipe is None or recipe is False:
+        return None
+    if recipe is True:
+        return DEFAULT_RECIPE
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, dict):
+        return Recipe.from_config(recipe)
+    raise TypeError(
+        "An FP8 recipe is a `keras_mp.fp8.Recipe`, `True` (the default "
+        f"recipe), `None`, or a Recipe config dict. Received: fp8={recipe!r}"
+    )
