@@ -32,6 +32,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import argparse
+import functools
 import platform
 import statistics
 import time
@@ -65,7 +66,8 @@ def parse_args(argv=None):
         "--quick",
         action="store_true",
         default=os.environ.get("KERAS_MP_QUICK") == "1",
-        help="2 steps, 1 repeat: checks that it runs (also KERAS_MP_QUICK=1)",
+        help="2 steps, 1 repeat, models an eighth as wide and 8x8 images: "
+        "checks that it runs (also KERAS_MP_QUICK=1)",
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -76,21 +78,37 @@ def parse_args(argv=None):
     return args
 
 
-def build_model(name):
-    keras.utils.set_random_seed(0)
+def input_shape(name, quick=False):
     if name == "mlp":
-        layers = [keras.Input((512,))]
-        layers += [keras.layers.Dense(1024, activation="relu") for _ in "abc"]
+        return (64,) if quick else (512,)
+    return (8, 8, 3) if quick else (32, 32, 3)
+
+
+def build_model(name, quick=False):
+    """The model `name`; with `quick`, an eighth as wide (a check that the
+    benchmark runs, not a measurement)."""
+    keras.utils.set_random_seed(0)
+    width = 8 if quick else 1
+    layers = [keras.Input(input_shape(name, quick))]
+    if name == "mlp":
+        layers += [
+            keras.layers.Dense(1024 // width, activation="relu") for _ in "abc"
+        ]
     else:
-        layers = [
-            keras.Input((32, 32, 3)),
-            keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
-            keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+        conv = functools.partial(
+            keras.layers.Conv2D,
+            kernel_size=3,
+            padding="same",
+            activation="relu",
+        )
+        layers += [
+            conv(32 // width),
+            conv(64 // width),
             keras.layers.MaxPooling2D(),
-            keras.layers.Conv2D(128, 3, padding="same", activation="relu"),
+            conv(128 // width),
             keras.layers.MaxPooling2D(),
             keras.layers.Flatten(),
-            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(256 // width, activation="relu"),
         ]
     layers += [
         keras.layers.Dense(10),
@@ -105,11 +123,10 @@ def build_model(name):
     return model
 
 
-def make_data(name, steps):
+def make_data(name, steps, quick=False):
     rng = np.random.default_rng(0)
     samples = steps * BATCH_SIZES[name]
-    shape = (512,) if name == "mlp" else (32, 32, 3)
-    x = rng.normal(size=(samples, *shape)).astype("float32")
+    x = rng.normal(size=(samples, *input_shape(name, quick))).astype("float32")
     y = rng.integers(0, 10, size=(samples,)).astype("int32")
     return x, y
 
@@ -134,12 +151,12 @@ def run(args):
         for name in args.models:
             for policy in args.policies:
                 with keras_mp.policy_scope(keras_mp.Policy(policy)):
-                    models[name, policy] = build_model(name)
+                    models[name, policy] = build_model(name, args.quick)
     data = {}
     for name, policy in models:
         steps = steps_for(policy, args)
-        data[name, steps] = make_data(name, steps)
-        warmup = make_data(name, 2)
+        data[name, steps] = make_data(name, steps, args.quick)
+        warmup = make_data(name, 2, args.quick)
         fit_seconds(models[name, policy], warmup, BATCH_SIZES[name])
     step_times = {key: [] for key in models}
     keys = list(models)
