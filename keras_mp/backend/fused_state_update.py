@@ -3,15 +3,16 @@
 `FusedStateUpdate`: for Keras's Adam, AdamW, SGD and RMSprop on PyTorch,
 the per-variable `update_step` with 16-bit slots, run as a few multi-tensor
 calls per batch of elements over cache-sized scratch buffers, bit-identical
-to that path. What `keras.ops` cannot express; imports only
-`keras_mp._keras_internals` and `keras_mp._random_bits`, never a module
-outside `keras_mp.backend` above them.
+to that path. What `keras.ops` cannot express; the batches it runs over are
+in `fused_batches.py`. Imports only `keras_mp._keras_internals`,
+`keras_mp._random_bits` and `fused_batches.py`.
 """
 
 from keras import ops
 
 from keras_mp import _keras_internals
 from keras_mp import _random_bits
+from keras_mp.backend import fused_batches
 
 # Whether the fused PyTorch update below may run (tests turn it off to
 # compare it with the per-variable path it replaces).
@@ -157,7 +158,7 @@ class FusedStateUpdate:
     def _layout(self, sizes):
         layout = self._layouts.get(tuple(sizes))
         if layout is None:
-            layout = _Layout(sizes, _BATCH_ELEMENTS)
+            layout = fused_batches.Layout(sizes, _BATCH_ELEMENTS)
             self._ensure_buffers(layout.largest_batch)
             layout.bind(self._buffers)
             self._layouts[tuple(sizes)] = layout
@@ -235,7 +236,7 @@ class FusedStateUpdate:
         temporary = batch.ints(scratch)
         noise.copy_(batch.index)
         torch._foreach_add_(batch.int_views(result), keys)
-        _hash32_in_place(noise, temporary)
+        fused_batches.hash32_in_place(noise, temporary)
         noise.bitwise_and_(0xFFFF)
         noise.add_(bits)
         bits.bitwise_and_(0x7FFFFFFF)
@@ -385,127 +386,3 @@ class FusedStateUpdate:
             torch._foreach_sub_(variable_views, batch.views(y))
 
         return run
-
-
-def _hash32_in_place(x, temporary):
-    """`keras_mp._random_bits.hash32` on int32 `x`, in place; only the low
-    16 bits of the result are right (the caller keeps only those): the last
-    logical shift is an arithmetic one, which differs from it in the high
-    bits only."""
-    import torch
-
-    torch.bitwise_right_shift(x, 16, out=temporary)
-    temporary.bitwise_and_(0xFFFF)
-    x.bitwise_xor_(temporary)
-    x.mul_(0x7FEB352D)
-    torch.bitwise_right_shift(x, 15, out=temporary)
-    temporary.bitwise_and_(0x1FFFF)
-    x.bitwise_xor_(temporary)
-    x.mul_(-2073254261)
-    torch.bitwise_right_shift(x, 16, out=temporary)
-    x.bitwise_xor_(temporary)
-
-
-class _Layout:
-    """How the variables of one update split into batches of the scratch
-    buffers: a variable larger than a batch is cut into segments, and
-    consecutive small variables share one batch."""
-
-    def __init__(self, sizes, batch_elements):
-        import torch
-
-        self.variables = len(sizes)
-        self.batches = []
-        segment_variables, segment_shifts = [], []
-        current, used = [], 0
-        for index, size in enumerate(sizes):
-            start = 0
-            while start < size:
-                if used == batch_elements:
-                    self.batches.append(current)
-                    current, used = [], 0
-                stop = min(size, start + batch_elements - used)
-                current.append((index, start, stop, used))
-                segment_variables.append(index)
-                # Index buffer value at the segment's first element (its
-                # offset `used`) + shift = the element's index `start`.
-                segment_shifts.append(start - used)
-                used += stop - start
-                start = stop
-        if current:
-            self.batches.append(current)
-        self.largest_batch = max(
-            [sum(b - a for _, a, b, _ in batch) for batch in self.batches],
-            default=0,
-        )
-        self.segment_variables = torch.tensor(
-            segment_variables, dtype=torch.int64
-        )
-        self.segment_shifts = torch.tensor(segment_shifts, dtype=torch.int32)
-        self._increments = {}
-        first = 0
-        batches = []
-        for batch in self.batches:
-            batches.append(_Batch(batch, first))
-            first += len(batch)
-        self.batches = batches
-
-    def bind(self, buffers):
-        for batch in self.batches:
-            batch.bind(buffers)
-
-    def increment(self, draws):
-        import torch
-
-        increment = self._increments.get(draws)
-        if increment is None:
-            increment = torch.tensor([0, draws], dtype=torch.int32)
-            self._increments[draws] = increment
-        return increment
-
-
-class _Batch:
-    """One batch: its segments `(variable, start, stop)`, and its views of
-    the scratch buffers (whole, and one per segment)."""
-
-    def __init__(self, segments, first):
-        self.segments = [(i, a, b) for i, a, b, _ in segments]
-        self._offsets = [
-            (offset, offset + b - a) for _, a, b, offset in segments
-        ]
-        self.size = sum(b - a for _, a, b, _ in segments)
-        self.first = first
-        self.last = first + len(segments)
-
-    def bind(self, buffers):
-        size = self.size
-        self.buffers = [buffer[:size] for buffer in buffers["float"]]
-        self.index = buffers["index"][:size]
-        self._views = {
-            id(buffer): [buffer[a:b] for a, b in self._offsets]
-            for buffer in self.buffers
-        }
-        self._ints = {
-            id(buffer): buffer.view(_int32()) for buffer in self.buffers
-        }
-        self._int_views = {
-            id(buffer): [
-                view.view(_int32()) for view in self._views[id(buffer)]
-            ]
-            for buffer in self.buffers
-        }
-
-    def views(self, buffer):
-        return self._views[id(buffer)]
-
-    def ints(self, buffer):
-        return self._ints[id(buffer)]
-
-    def int_views(self, buffer):
-        return self._int_views[id(buffer)]
-
-
-def _int32():
-    import torch
-
-    return torch.int32

@@ -4,7 +4,8 @@ The six stages, the entry points (`minimize`, `apply`, `apply_gradients`,
 `stateless_apply`), the skip (`apply_if`), `build` and serialization. The
 concerns it composes live beside it: `delegation.py` (hyperparameters),
 `checkpointing.py` (restore), `state_precision.py` (state dtype, masters),
-`overwrite_with_gradient.py` (variables left alone). Imports those,
+`overwrite_with_gradient.py` (variables left alone), `inputs.py` (checks of
+what it is given). Imports those,
 `keras_mp.transforms` and `keras_mp.backend`; never `loss_scale_optimizer.py`
 or a module above it (`models.py`, `callbacks.py`, `recommend`).
 """
@@ -18,6 +19,7 @@ from keras_mp.backend import collectives
 from keras_mp.backend import gradients as backend_gradients
 from keras_mp.optimizers import checkpointing
 from keras_mp.optimizers import delegation
+from keras_mp.optimizers import inputs
 from keras_mp.optimizers import skip
 from keras_mp.optimizers import state_precision
 from keras_mp.optimizers.checkpointing import CheckpointMixin
@@ -139,7 +141,7 @@ class OptimizerWrapper(
                 state_dtype, stochastic_rounding, master_weights
             )
         )
-        optimizer = _checked_inner_optimizer(
+        optimizer = inputs.checked_inner_optimizer(
             type(self).__name__, inner_optimizer, kwargs
         )
         state_precision.check_state_precision_target(
@@ -380,7 +382,7 @@ class OptimizerWrapper(
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build([v for _, v in grads_and_vars])
-        _check_gradient_dtypes(grads_and_vars)
+        inputs.check_gradient_dtypes(grads_and_vars)
         grads_and_vars, overwritten = split_overwritten(grads_and_vars)
         if not skip_gradients_aggregation:
             grads_and_vars = self.transform_unaggregated_gradients(
@@ -499,54 +501,6 @@ def transformed_loss(transform, loss, tape=None):
         with tape:
             return transform(loss)
     return transform(loss)
-
-
-def _checked_inner_optimizer(class_name, inner_optimizer, kwargs):
-    """The optimizer to wrap (also as tf.keras's `optimizer=`, popped from
-    `kwargs`), refused unless it is an unwrapped Keras optimizer."""
-    if "optimizer" in kwargs:
-        if inner_optimizer is not None:
-            raise TypeError(
-                "Pass the optimizer to wrap once, as `inner_optimizer`. "
-                f"Received: inner_optimizer={inner_optimizer!r} and "
-                f"optimizer={kwargs['optimizer']!r}"
-            )
-        inner_optimizer = kwargs.pop("optimizer")
-    optimizer = inner_optimizer
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(
-            f"{class_name} wraps a keras.optimizers.Optimizer. "
-            f"Received: inner_optimizer={optimizer!r} (of type "
-            f"{type(optimizer).__name__}). Pass e.g. "
-            "keras.optimizers.Adam(1e-3)."
-        )
-    owner = getattr(optimizer, "_keras_mp_wrapped_by", None)
-    if owner is not None:
-        raise ValueError(
-            f"The optimizer {optimizer.name!r} is already wrapped by "
-            f"{owner!r}; two wrappers cannot share one inner optimizer. "
-            "Wrap a fresh optimizer, or wrap the existing wrapper."
-        )
-    return optimizer
-
-
-def _check_gradient_dtypes(grads_and_vars):
-    for grad, variable in grads_and_vars:
-        if grad is None:
-            continue
-        grad_dtype = keras.backend.standardize_dtype(grad.dtype)
-        var_dtype = keras.backend.standardize_dtype(
-            _keras_internals.stored_dtype(variable)
-        )
-        if grad_dtype != var_dtype and keras.backend.is_float_dtype(var_dtype):
-            raise ValueError(
-                f"The gradient of variable {variable.path!r} is "
-                f"{grad_dtype} but the variable is {var_dtype}; gradients "
-                "must have their variable's dtype. Received a "
-                f"{grad_dtype} gradient. Take gradients with respect to "
-                "the variables themselves (not their autocast reads), or "
-                "cast the gradient to the variable's dtype."
-            )
 
 
 def _is_wrapper(optimizer):

@@ -1,0 +1,133 @@
+"""The batches of torch's fused 16-bit state update.
+
+`Layout` cuts the variables of one update into batches of cache-sized
+scratch buffers (a large variable into segments, small ones sharing a
+batch); `Batch` holds one batch's views of those buffers;
+`hash32_in_place` is the counter hash of stochastic rounding on int32
+tensors, in place. Used only by `fused_state_update.py`; imports only
+torch (inside the functions: the module loads on every backend).
+"""
+
+
+def hash32_in_place(x, temporary):
+    """`keras_mp._random_bits.hash32` on int32 `x`, in place; only the low
+    16 bits of the result are right (the caller keeps only those): the last
+    logical shift is an arithmetic one, which differs from it in the high
+    bits only."""
+    import torch
+
+    torch.bitwise_right_shift(x, 16, out=temporary)
+    temporary.bitwise_and_(0xFFFF)
+    x.bitwise_xor_(temporary)
+    x.mul_(0x7FEB352D)
+    torch.bitwise_right_shift(x, 15, out=temporary)
+    temporary.bitwise_and_(0x1FFFF)
+    x.bitwise_xor_(temporary)
+    x.mul_(-2073254261)
+    torch.bitwise_right_shift(x, 16, out=temporary)
+    x.bitwise_xor_(temporary)
+
+
+class Layout:
+    """How the variables of one update split into batches of the scratch
+    buffers: a variable larger than a batch is cut into segments, and
+    consecutive small variables share one batch."""
+
+    def __init__(self, sizes, batch_elements):
+        import torch
+
+        self.variables = len(sizes)
+        self.batches = []
+        segment_variables, segment_shifts = [], []
+        current, used = [], 0
+        for index, size in enumerate(sizes):
+            start = 0
+            while start < size:
+                if used == batch_elements:
+                    self.batches.append(current)
+                    current, used = [], 0
+                stop = min(size, start + batch_elements - used)
+                current.append((index, start, stop, used))
+                segment_variables.append(index)
+                # Index buffer value at the segment's first element (its
+                # offset `used`) + shift = the element's index `start`.
+                segment_shifts.append(start - used)
+                used += stop - start
+                start = stop
+        if current:
+            self.batches.append(current)
+        self.largest_batch = max(
+            [sum(b - a for _, a, b, _ in batch) for batch in self.batches],
+            default=0,
+        )
+        self.segment_variables = torch.tensor(
+            segment_variables, dtype=torch.int64
+        )
+        self.segment_shifts = torch.tensor(segment_shifts, dtype=torch.int32)
+        self._increments = {}
+        first = 0
+        batches = []
+        for batch in self.batches:
+            batches.append(Batch(batch, first))
+            first += len(batch)
+        self.batches = batches
+
+    def bind(self, buffers):
+        for batch in self.batches:
+            batch.bind(buffers)
+
+    def increment(self, draws):
+        import torch
+
+        increment = self._increments.get(draws)
+        if increment is None:
+            increment = torch.tensor([0, draws], dtype=torch.int32)
+            self._increments[draws] = increment
+        return increment
+
+
+class Batch:
+    """One batch: its segments `(variable, start, stop)`, and its views of
+    the scratch buffers (whole, and one per segment)."""
+
+    def __init__(self, segments, first):
+        self.segments = [(i, a, b) for i, a, b, _ in segments]
+        self._offsets = [
+            (offset, offset + b - a) for _, a, b, offset in segments
+        ]
+        self.size = sum(b - a for _, a, b, _ in segments)
+        self.first = first
+        self.last = first + len(segments)
+
+    def bind(self, buffers):
+        size = self.size
+        self.buffers = [buffer[:size] for buffer in buffers["float"]]
+        self.index = buffers["index"][:size]
+        self._views = {
+            id(buffer): [buffer[a:b] for a, b in self._offsets]
+            for buffer in self.buffers
+        }
+        self._ints = {
+            id(buffer): buffer.view(_int32()) for buffer in self.buffers
+        }
+        self._int_views = {
+            id(buffer): [
+                view.view(_int32()) for view in self._views[id(buffer)]
+            ]
+            for buffer in self.buffers
+        }
+
+    def views(self, buffer):
+        return self._views[id(buffer)]
+
+    def ints(self, buffer):
+        return self._ints[id(buffer)]
+
+    def int_views(self, buffer):
+        return self._int_views[id(buffer)]
+
+
+def _int32():
+    import torch
+
+    return torch.int32
