@@ -3,7 +3,8 @@
 Scaling the loss, unscaling the gradients (once, whichever loop style),
 the finite check and the skip decision, the loss scale's update, and the
 Keras 3 / tf.keras constructor arguments. Composes `accumulation.py`
-(windows) and `overflow.py` (counters, reports). Imports those,
+(windows), `overflow.py` (counters, reports) and `host_skip.py` (PyTorch's
+default step, decided on the host). Imports those,
 `wrapper.py`, `keras_mp.loss_scale` and `keras_mp.backend`; never
 `models.py`, `callbacks.py` or `recommend`.
 """
@@ -21,6 +22,7 @@ from keras_mp.backend import collectives
 from keras_mp.backend import gradients as backend_gradients
 from keras_mp.optimizers import overflow
 from keras_mp.optimizers.accumulation import AccumulationMixin
+from keras_mp.optimizers.host_skip import HostSkipMixin
 from keras_mp.optimizers.overflow import OverflowTrackingMixin
 from keras_mp.optimizers.wrapper import OptimizerWrapper
 
@@ -95,6 +97,7 @@ class LossScaleOptimizer(
     OptimizerWrapper,
     AccumulationMixin,
     OverflowTrackingMixin,
+    HostSkipMixin,
     keras.optimizers.LossScaleOptimizer,
 ):
     """An optimizer wrapper that scales the loss so float16 gradients survive.
@@ -105,6 +108,18 @@ class LossScaleOptimizer(
     float32 before the update. With a dynamic scale, a step whose gradients
     overflow (inf/NaN on any replica) is skipped and the scale lowered:
     weights and every inner optimizer variable stay bit-identical.
+
+    Where the skip is decided: on TensorFlow and JAX inside the compiled
+    step (`tf.cond`, `lax.cond`). On PyTorch, whose steps run eagerly, by
+    default the gradients are checked and unscaled in one fused pass
+    (torch.amp's `GradScaler` kernel; a gradient that is its variable's
+    `.grad`, as in `fit`, is unscaled in place, as `GradScaler.unscale_`
+    does), the finite flag is read on the host (free on CPU tensors, one
+    small read per step on an accelerator, as `GradScaler` and Keras's
+    LossScaleOptimizer make), and the inner optimizer updates or not: no
+    copy of the state, and finite steps bit-identical to Keras's class.
+    `skip_on_device=True` opts into a step with no host read, which saves
+    every weight and slot and selects after the update.
 
     Each step (1) scales the loss (`transform_loss`), (2) unscales the
     aggregated gradients (`transform_gradients`), (3) updates the scale and
@@ -148,6 +163,13 @@ class LossScaleOptimizer(
             bfloat16/float16 trainable variable, updated by the inner
             optimizer and rounded into the variable after each applied
             step, as for `OptimizerWrapper`. Defaults to `False`.
+        skip_on_device: Whether, on PyTorch, the skip is decided without
+            reading the finite flag on the host: every weight and slot is
+            saved before the in-place update and selected after it (one
+            copy of the state per step), so an accelerator's queue never
+            waits for the host. On TensorFlow and JAX it is accepted and
+            changes nothing: their skip is always decided on the device.
+            Defaults to `False`.
         **kwargs: Keras 3's `initial_scale` and `dynamic_growth_steps` and
             tf.keras's `dynamic`, so that existing configs load.
 
@@ -174,6 +196,7 @@ class LossScaleOptimizer(
         state_dtype=None,
         stochastic_rounding=None,
         master_weights=False,
+        skip_on_device=False,
         **kwargs,
     ):
         legacy = {
@@ -193,7 +216,7 @@ class LossScaleOptimizer(
                 f"`{'`, `'.join(kwargs)}`. It takes inner_optimizer, "
                 "loss_scale, aggregate_in_float16, transform_gradients, "
                 "aggregate_gradients, name, track_overflow, state_dtype, "
-                "stochastic_rounding and master_weights."
+                "stochastic_rounding, master_weights and skip_on_device."
             )
         if legacy:
             if loss_scale != "dynamic":
@@ -227,6 +250,7 @@ class LossScaleOptimizer(
         for flag, value in (
             ("aggregate_in_float16", aggregate_in_float16),
             ("track_overflow", track_overflow),
+            ("skip_on_device", skip_on_device),
         ):
             if not isinstance(value, bool):
                 raise TypeError(
@@ -244,6 +268,7 @@ class LossScaleOptimizer(
         self._loss_scale = loss_scale
         self.aggregate_in_float16 = aggregate_in_float16
         self.track_overflow = track_overflow
+        self.skip_on_device = skip_on_device
         self.inner_optimizer.loss_scale_factor = None
         loss_scale._keras_mp_owner = weakref.ref(self)
         # What happened since the last `apply_gradients`, per thread:
@@ -430,6 +455,9 @@ class LossScaleOptimizer(
             # A fixed scale never skips (RFC 293).
             super().run_step(grads_and_vars)
             return
+        if self._skips_on_host():
+            self._run_step_on_host(grads_and_vars)
+            return
         grads = [g for g, _ in grads_and_vars]
         if self.track_overflow:
             finite_per_gradient = overflow.finite_per_gradient(grads)
@@ -440,8 +468,13 @@ class LossScaleOptimizer(
         else:
             # One sum per gradient, checked once (see `all_finite`).
             is_finite = backend_gradients.all_finite(grads)
+        # Every process decides alike, whatever its own gradients were
+        # (under DDP's `no_sync` they are its own).
+        is_finite = collectives.all_processes_finite(is_finite)
         if self._accumulation_steps():
-            self._run_accumulation_step(grads_and_vars, is_finite)
+            self._run_accumulation_step(
+                grads_and_vars, is_finite, self._accumulation_flags(is_finite)
+            )
             return
         self.apply_if(is_finite, grads_and_vars)
         self._loss_scale.update(is_finite)
@@ -459,6 +492,7 @@ class LossScaleOptimizer(
         )
         config["aggregate_in_float16"] = self.aggregate_in_float16
         config["track_overflow"] = self.track_overflow
+        config["skip_on_device"] = self.skip_on_device
         return config
 
     @classmethod
