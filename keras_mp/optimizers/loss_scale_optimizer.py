@@ -4,7 +4,8 @@ Scaling the loss, unscaling the gradients (once, whichever loop style),
 the finite check and the skip decision, the loss scale's update, and the
 Keras 3 / tf.keras constructor arguments. Composes `accumulation.py`
 (windows), `overflow.py` (counters, reports) and `host_skip.py` (PyTorch's
-default step, decided on the host). Imports those,
+default step, decided on the host); `legacy_arguments.py` reads Keras 3's
+and tf.keras's arguments. Imports those,
 `wrapper.py`, `keras_mp.loss_scale` and `keras_mp.backend`; never
 `models.py`, `callbacks.py` or `recommend`.
 """
@@ -20,67 +21,12 @@ from keras_mp import _config
 from keras_mp import loss_scale as loss_scale_module
 from keras_mp.backend import collectives
 from keras_mp.backend import gradients as backend_gradients
+from keras_mp.optimizers import legacy_arguments
 from keras_mp.optimizers import overflow
 from keras_mp.optimizers.accumulation import AccumulationMixin
 from keras_mp.optimizers.host_skip import HostSkipMixin
 from keras_mp.optimizers.overflow import OverflowTrackingMixin
 from keras_mp.optimizers.wrapper import OptimizerWrapper
-
-# Keras 3 used to serialize these base-optimizer arguments for its
-# LossScaleOptimizer; configs holding their default values still load.
-_KERAS_BASE_DEFAULTS = {
-    "weight_decay": None,
-    "clipnorm": None,
-    "global_clipnorm": None,
-    "clipvalue": None,
-    "use_ema": False,
-    "ema_momentum": 0.99,
-    "ema_overwrite_frequency": None,
-    "loss_scale_factor": None,
-    "gradient_accumulation_steps": None,
-}
-
-
-def _loss_scale_from_legacy(dynamic, initial_scale, dynamic_growth_steps):
-    """The LossScale of Keras 3 (`initial_scale`, `dynamic_growth_steps`) and
-    tf.keras (`dynamic`) constructor arguments."""
-    if dynamic is None or dynamic:
-        kwargs = {}
-        if initial_scale is not None:
-            kwargs["initial_loss_scale"] = initial_scale
-        if dynamic_growth_steps is not None:
-            kwargs["increment_period"] = dynamic_growth_steps
-        try:
-            return loss_scale_module.DynamicLossScale(**kwargs)
-        except (TypeError, ValueError) as error:
-            raise type(error)(_in_legacy_names(str(error))) from None
-    if dynamic_growth_steps is not None:
-        raise ValueError(
-            "`dynamic_growth_steps` only applies to a dynamic loss scale. "
-            f"Received: dynamic=False, dynamic_growth_steps="
-            f"{dynamic_growth_steps!r}. Remove it, or set dynamic=True."
-        )
-    if initial_scale is None:
-        raise ValueError(
-            "dynamic=False needs the fixed scale as `initial_scale`. "
-            "Received: initial_scale=None. Pass e.g. initial_scale=128, or "
-            "loss_scale=128."
-        )
-    try:
-        return loss_scale_module.FixedLossScale(initial_scale)
-    except (TypeError, ValueError) as error:
-        raise type(error)(_in_legacy_names(str(error))) from None
-
-
-def _in_legacy_names(message):
-    # The user wrote Keras 3's names; the error must not name DynamicLossScale's.
-    for name, legacy in (
-        ("initial_loss_scale", "initial_scale"),
-        ("loss_scale_value", "initial_scale"),
-        ("increment_period", "dynamic_growth_steps"),
-    ):
-        message = message.replace(name, legacy)
-    return message
 
 
 def _contains_loss_scale_optimizer(optimizer):
@@ -204,7 +150,7 @@ class LossScaleOptimizer(
             for key in ("dynamic", "initial_scale", "dynamic_growth_steps")
             if key in kwargs
         }
-        for key, default in _KERAS_BASE_DEFAULTS.items():
+        for key, default in legacy_arguments.KERAS_BASE_DEFAULTS.items():
             if key in kwargs and kwargs.pop(key) != default:
                 raise ValueError(
                     f"LossScaleOptimizer does not support `{key}`. Instead, "
@@ -225,7 +171,7 @@ class LossScaleOptimizer(
                     f"{sorted(legacy)}, not both. Received: "
                     f"loss_scale={loss_scale!r}, {legacy}"
                 )
-            loss_scale = _loss_scale_from_legacy(
+            loss_scale = legacy_arguments.loss_scale_from_legacy(
                 legacy.get("dynamic"),
                 legacy.get("initial_scale"),
                 legacy.get("dynamic_growth_steps"),
