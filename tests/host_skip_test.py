@@ -402,3 +402,40 @@ def test_stateless_apply_leaves_its_inputs_alone(skip_on_device):
     for value, copy in zip(values + state, copies):
         assert_bitwise_equal(value, copy)
     assert not np.array_equal(to_numpy(new_values[0]), copies[0])
+
+
+@PATHS
+def test_accumulation_micro_step_reads_its_flags_once_or_never(skip_on_device):
+    from keras_mp.testing import count_host_syncs
+
+    variables = _variables()
+    optimizer = _optimizer(
+        keras.optimizers.Adam(0.01, gradient_accumulation_steps=2),
+        skip_on_device,
+    )
+    optimizer.build(variables)
+    reads = []
+    for step, poison in enumerate([None, None, np.nan, None]):
+        with count_host_syncs() as syncs:
+            _scaled_step_without_reading(optimizer, _grads(step, poison))
+        reads.append(sum(syncs.values()))
+    # Keras's own accumulation reads whether a micro-step ends the window
+    # (a Python `if`) each time the inner optimizer runs: on the device
+    # path every micro-step (the update runs, then is selected away), by
+    # default not at the end of the discarded window. keras_mp adds, by
+    # default, one transfer of the micro-step's finite flag, whether the
+    # inner optimizer runs and whether the window ends.
+    keras_reads = [1, 1, 1, 1 if skip_on_device else 0]
+    ours = 0 if skip_on_device else 1
+    assert reads == [k + ours for k in keras_reads]
+    assert int(to_numpy(optimizer.iterations)) == 1
+    assert int(to_numpy(optimizer.skipped_steps)) == 1
+
+
+def _scaled_step_without_reading(optimizer, grads):
+    # `_scaled_step` reads the scale to scale the gradients; here the
+    # scale is known (no overflow before the last window).
+    optimizer.scale_loss(1.0)
+    optimizer.apply(
+        [ops.array(g * 2.0**10) for g in grads], optimizer._trainable_variables
+    )

@@ -568,9 +568,7 @@ def torch_ranks(request, tmp_path_factory):
             "KERAS_BACKEND": "torch",
             "OMP_NUM_THREADS": "1",
             "KERAS_MP_TEST_INIT_METHOD": f"tcp://127.0.0.1:{_free_port()}",
-            "KERAS_MP_TEST_SKIP_ON_DEVICE": str(
-                int(request.param == "device")
-            ),
+            "KERAS_MP_TEST_SKIP_ON_DEVICE": str(int(request.param == "device")),
         },
     )
 

@@ -235,14 +235,15 @@ def update_in_place_unless_skipped(
     """Runs `update(grads_and_vars)` in place; `targets` keep their values
     bit for bit where the bool tensor `condition` is False.
 
-    PyTorch only. Each target's value is saved, the update runs in place
-    whatever `condition` is, then each target is selected with `torch.where`
-    between its new and its saved value. The decision never leaves the
-    device: no tensor becomes a Python bool, and a GPU step never waits for
-    the host (`ops.cond` on torch, like torch AMP's GradScaler, reads the
-    flag on the host every step). The price is one copy of the targets
-    (weights and optimizer state) and one select per step. `targets` must
-    hold every variable `update` may write.
+    PyTorch only, for `LossScaleOptimizer(..., skip_on_device=True)`. Each
+    target's value is saved, the update runs in place whatever `condition`
+    is, then each target is selected with `torch.where` between its new and
+    its saved value. The decision never leaves the device: no tensor becomes
+    a Python bool, and a GPU step never waits for the host (the default
+    skip, like torch AMP's GradScaler, reads the flag on the host every
+    step). The price is one copy of the targets (weights and optimizer
+    state) and one select per step. `targets` must hold every variable
+    `update` may write.
 
     `backups`, a `SkipBackups` kept by the caller, holds the saved values
     from one step to the next: copied into in one multi-tensor call, not

@@ -96,8 +96,9 @@ class LossScaleOptimizer(
         track_overflow: Whether to count, for every trainable variable, the
             steps whose gradient for it was non-finite and the first such
             step, in two integer variables updated inside the step (no host
-            round trip); `overflow_report()` reads them. Defaults to
-            `False`.
+            round trip of their own; on PyTorch's default skip, only on the
+            steps that overflow); `overflow_report()` reads them. Defaults
+            to `False`.
         state_dtype: Dtype of the inner optimizer's slot variables, e.g.
             `"bfloat16"` (half of float32 Adam's state); the update still
             computes in float32. As for `OptimizerWrapper`. Defaults to
