@@ -118,22 +118,31 @@ class AccumulationMixin:
                 ]
             collectives.average_across_processes_where(last_now, accumulators)
             self.apply_if(apply_now, grads_and_vars)
-        discard = ops.logical_and(last, ops.logical_not(window_finite))
-        for accumulator in accumulators:
-            value = accumulator.value
-            accumulator.assign(ops.where(discard, ops.zeros_like(value), value))
-        # A discarded window starts again: `iterations` counts applied
+        # A discarded window (its last micro-step, not applied) empties the
+        # accumulators and starts again: `iterations` counts applied
         # updates only.
-        micro_steps.assign(
-            ops.where(
-                discard, micro_steps.value - (steps - 1), micro_steps.value
+        if on_host is None:
+            discard = ops.logical_and(last, ops.logical_not(window_finite))
+            for accumulator in accumulators:
+                value = accumulator.value
+                accumulator.assign(
+                    ops.where(discard, ops.zeros_like(value), value)
+                )
+            micro_steps.assign(
+                ops.where(
+                    discard, micro_steps.value - (steps - 1), micro_steps.value
+                )
             )
-        )
+            self._skipped_steps.assign_add(ops.cast(discard, "int32"))
+        elif not apply_now:
+            for accumulator in accumulators:
+                accumulator.assign(ops.zeros_like(accumulator.value))
+            micro_steps.assign(micro_steps.value - (steps - 1))
+            self._skipped_steps.assign_add(1)
         self._update_loss_scale_where(last, window_finite)
         self._window_finite.assign(
             ops.cast(ops.logical_or(last, window_finite), "int32")
         )
-        self._skipped_steps.assign_add(ops.cast(discard, "int32"))
 
     def _update_loss_scale_where(self, condition, is_finite):
         """`loss_scale.update(is_finite)` where `condition` holds, else none."""
