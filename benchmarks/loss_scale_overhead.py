@@ -7,8 +7,10 @@ weights, on the backend named by KERAS_BACKEND:
 - keras: `keras.optimizers.LossScaleOptimizer(Adam)`;
 - keras_mp: `keras_mp.LossScaleOptimizer(Adam)`;
 - keras_mp_device (PyTorch only): `keras_mp.LossScaleOptimizer(Adam,
-  skip_on_device=True)`, the opt-in skip with no host read (every weight
-  and slot saved before the in-place update and selected after it);
+  skip_on_device=True)`, the opt-in skip with no host read: with Keras's
+  Adam, torch's fused AdamW kernel skipping on a device flag (with other
+  optimizers every weight and slot is saved before the in-place update and
+  selected after it);
 - barrier (under XLA only: JAX, or TensorFlow with `--jit-compile`): the
   inner optimizer alone, its update made to wait for every gradient (an XLA
   optimization barrier over all of them), and nothing else.

@@ -111,12 +111,18 @@ class LossScaleOptimizer(
             optimizer and rounded into the variable after each applied
             step, as for `OptimizerWrapper`. Defaults to `False`.
         skip_on_device: Whether, on PyTorch, the skip is decided without
-            reading the finite flag on the host: every weight and slot is
-            saved before the in-place update and selected after it (one
-            copy of the state per step), so an accelerator's queue never
-            waits for the host. On TensorFlow and JAX it is accepted and
-            changes nothing: their skip is always decided on the device.
-            Defaults to `False`.
+            reading the finite flag on the host, so an accelerator's queue
+            never waits for the host: every weight and slot is saved before
+            the in-place update and selected after it (one copy of the
+            state per step). With Keras's own Adam or AdamW (no clipping,
+            EMA or accumulation on it, no stateful transforms, slots in the
+            variables' dtype) the update is instead torch's fused AdamW
+            kernel, which leaves the state untouched on a skipped step; it
+            adds epsilon after the bias correction, so each update differs
+            from Keras's by a relative `epsilon / (sqrt(v) + epsilon)` at
+            most. On TensorFlow and JAX it is accepted and changes nothing:
+            their skip is always decided on the device. Defaults to
+            `False`.
         **kwargs: Keras 3's `initial_scale` and `dynamic_growth_steps` and
             tf.keras's `dynamic`, so that existing configs load.
 
@@ -404,6 +410,9 @@ class LossScaleOptimizer(
             return
         if self._skips_on_host():
             self._run_step_on_host(grads_and_vars)
+            return
+        if self._runs_fused_adam(grads_and_vars):
+            self._run_fused_adam_step(grads_and_vars)
             return
         grads = [g for g, _ in grads_and_vars]
         if self.track_overflow:
