@@ -26,11 +26,15 @@ from keras_mp.optimizers.overwrite_with_gradient import overwrites_with_gradient
 
 
 class HostSkipMixin:
-    """The host-decided step of a `LossScaleOptimizer` with a dynamic scale.
+    """The PyTorch steps of a `LossScaleOptimizer` with a dynamic scale
+    that need no saved copy of the state: decided on the host (default), or
+    torch's fused Adam skipping on the device flag (opt-in).
 
     Relies on the optimizer's `skip_on_device`, `_unscale_in_step`,
     `_reciprocal_scale()`, `track_overflow`, `_track_overflow`, the
-    accumulation methods, `apply_if`, `_loss_scale` and `_skipped_steps`.
+    accumulation methods, `apply_if`, `transform_gradients`,
+    `_transforms`, `_state_dtype`, `_master_weights`, `_inner_optimizer`,
+    `_loss_scale` and `_skipped_steps`.
     """
 
     def _skips_on_host(self):
