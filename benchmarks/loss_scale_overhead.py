@@ -6,6 +6,11 @@ weights, on the backend named by KERAS_BACKEND:
 - plain: the inner optimizer (Adam) alone, no loss scaling;
 - keras: `keras.optimizers.LossScaleOptimizer(Adam)`;
 - keras_mp: `keras_mp.LossScaleOptimizer(Adam)`;
+- keras_mp_device (PyTorch only): `keras_mp.LossScaleOptimizer(Adam,
+  skip_on_device=True)`, the opt-in skip with no host read: with Keras's
+  Adam, torch's fused AdamW kernel skipping on a device flag (with other
+  optimizers every weight and slot is saved before the in-place update and
+  selected after it);
 - barrier (under XLA only: JAX, or TensorFlow with `--jit-compile`): the
   inner optimizer alone, its update made to wait for every gradient (an XLA
   optimization barrier over all of them), and nothing else.
@@ -37,7 +42,9 @@ On PyTorch, whose `fit` runs eagerly, it also counts the host syncs each
 variant's optimizer makes per step (tensors converted to Python values,
 which make a GPU step wait for the host; see
 `keras_mp.testing.count_host_syncs`): Keras's LossScaleOptimizer decides
-the skip with a Python `if` on the device's flag, keras_mp on the device:
+the skip with a Python `if` on the device's flag, as keras_mp does by
+default after one fused check-and-unscale pass; keras_mp_device decides it
+on the device:
 
     KERAS_BACKEND=jax python benchmarks/loss_scale_overhead.py
     KERAS_BACKEND=torch OMP_NUM_THREADS=1 python benchmarks/loss_scale_overhead.py
@@ -70,6 +77,10 @@ BASE_RATIOS = (
     ("keras_mp", "plain"),
     ("keras_mp", "keras"),
     ("keras", "plain"),
+)
+DEVICE_RATIOS = (
+    ("keras_mp_device", "plain"),
+    ("keras_mp_device", "keras"),
 )
 BARRIER_RATIOS = (("keras_mp", "barrier"), ("barrier", "plain"))
 INITIAL_SCALE = 2.0**15
@@ -111,15 +122,20 @@ def parse_args(argv=None):
 
 
 def variants(args):
-    """The variants this backend runs: `barrier` needs XLA."""
+    """The variants this backend runs: `barrier` needs XLA; the opt-in
+    skip on the device changes nothing off PyTorch."""
     if uses_xla(args):
         return BASE_VARIANTS + ("barrier",)
+    if keras.backend.backend() == "torch":
+        return BASE_VARIANTS + ("keras_mp_device",)
     return BASE_VARIANTS
 
 
 def ratios(args):
     if uses_xla(args):
         return BASE_RATIOS + BARRIER_RATIOS
+    if keras.backend.backend() == "torch":
+        return BASE_RATIOS + DEVICE_RATIOS
     return BASE_RATIOS
 
 
@@ -163,6 +179,7 @@ def make_optimizer(variant):
         loss_scale=keras_mp.DynamicLossScale(
             INITIAL_SCALE, increment_period=GROWTH_STEPS
         ),
+        skip_on_device=variant == "keras_mp_device",
     )
 
 
@@ -228,7 +245,7 @@ def optimizer_host_syncs(model, data, batch_size):
 
 
 def run(args):
-    """Times the three variants.
+    """Times the variants.
 
     Returns:
         `({variant: [(wall, cpu) seconds per step, one pair a repeat]},
@@ -254,8 +271,10 @@ def run(args):
         for variant in names[shift:] + names[:shift]:
             wall, cpu = fit_seconds(models[variant], timed, args.batch_size)
             step_times[variant].append((wall / args.steps, cpu / args.steps))
-    for variant in ("keras", "keras_mp"):
+    for variant in names:
         optimizer = models[variant].optimizer
+        if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            continue
         scale = float(keras.ops.convert_to_numpy(optimizer.scale_loss(1.0)))
         if scale != INITIAL_SCALE:
             raise RuntimeError(
@@ -278,17 +297,17 @@ def format_table(args, step_times, syncs=None):
         f"{args.classes} batch={args.batch_size} steps={args.steps} "
         f"repeats={args.repeats} "
         f"xla={args.jit_compile or keras.backend.backend() == 'jax'}",
-        f"{'variant':<10} {'median wall ms/step':>20} {'min wall':>9} "
+        f"{'variant':<16} {'median wall ms/step':>20} {'min wall':>9} "
         f"{'median cpu ms/step':>19}",
     ]
     for variant in names:
         fastest = min(t[0] for t in step_times[variant])
         lines.append(
-            f"{variant:<10} {wall[variant] * 1e3:>20.3f} {fastest * 1e3:>9.3f} "
+            f"{variant:<16} {wall[variant] * 1e3:>20.3f} {fastest * 1e3:>9.3f} "
             f"{cpu[variant] * 1e3:>19.3f}"
         )
     lines.append(
-        f"{'ratio':<15} {'wall':>7} {'paired':>7} {'cpu':>7} {'paired':>7}"
+        f"{'ratio':<22} {'wall':>7} {'paired':>7} {'cpu':>7} {'paired':>7}"
     )
     for numerator, denominator in ratios(args):
         figures = []
@@ -303,13 +322,13 @@ def format_table(args, step_times, syncs=None):
                 )
             )
         lines.append(
-            f"{numerator + '/' + denominator:<15} "
+            f"{numerator + '/' + denominator:<22} "
             + " ".join(f"{figure:>7.3f}" for figure in figures)
         )
     if syncs is not None:
         lines.append("host syncs per optimizer step (torch)")
         for variant in names:
-            lines.append(f"{variant + '-syncs':<15} {syncs[variant]:>7.2f}")
+            lines.append(f"{variant + '-syncs':<22} {syncs[variant]:>7.2f}")
     return "\n".join(lines)
 
 

@@ -282,10 +282,14 @@ def run_jax(steps):
 # The loop Keras's guide "Customizing what happens in `fit()` with PyTorch"
 # writes, with one change: `backward()` runs on the *scaled* loss. The
 # optimizer gets the scaled gradients, unscales them, updates the scale and
-# skips the update on overflow. It applies the update in place and then
-# selects each variable between its new and its old value with
-# `torch.where`, so the step never waits for the host to read an overflow
-# flag (torch AMP's GradScaler reads one every step).
+# skips the update on overflow. As torch AMP's GradScaler, it checks and
+# unscales the gradients in one fused pass (the `.grad` tensors in place,
+# as `GradScaler.unscale_` does), reads the overflow flag on the host once
+# per step (free on CPU tensors, one small read on a GPU) and runs the inner
+# optimizer's update or not: no copy of the weights or slots. With
+# `keras_mp.LossScaleOptimizer(..., skip_on_device=True)` the step never
+# waits for the host instead: the update runs in place and each variable is
+# then selected between its new and its saved value with `torch.where`.
 
 
 def torch_backward(model, optimizer, loss_fn, steps):

@@ -522,8 +522,9 @@ def run_jax(steps):
 # one process's NaN makes every process skip the step and lower its scale,
 # and the copies of the model stay identical. Each process starts from the
 # same seed, so the weights start identical too. On GPUs, use the "nccl"
-# backend and one process per GPU; the all-reduce then runs on the device
-# and the step still never waits for the host.
+# backend and one process per GPU; the all-reduce then runs on the device,
+# and the step waits for the host only for its one read of the finite flag
+# (none with `skip_on_device=True`).
 
 
 def all_reduce_mean(grads_and_vars):

@@ -147,6 +147,7 @@ def test_config_holds_the_loss_scale_and_loads_keras():
         "state_dtype",
         "stochastic_rounding",
         "master_weights",
+        "skip_on_device",
     }
     restored = keras_mp.LossScaleOptimizer.from_config(config)
     assert restored.name == "test_opt"

@@ -101,21 +101,29 @@ def test_one_finite_check_for_all_gradients_is_exact_for_float16(
     assert int(to_numpy(optimizer.skipped_steps)) == int(not applied)
 
 
-def test_finite_float32_values_summing_past_its_range_skip_the_step():
-    # The one documented approximation of the finite check
+@pytest.mark.parametrize("skip_on_device", [False, True])
+def test_finite_float32_values_summing_past_its_range_skip_on_the_device(
+    skip_on_device,
+):
+    # The one documented approximation of the finite check on the device
     # (`backend.gradients.gradient_sum`): two finite values whose float32
     # sum (6e38) is beyond float32's largest value (3.4e38) count as an
     # overflow. The step is skipped whole and the scale halves, as for an
-    # inf, on every backend.
+    # inf. PyTorch's default check (the fused check-and-unscale kernel,
+    # decided on the host) looks at each value: the step applies.
     variables = [keras.Variable(np.zeros(2), dtype="float32", name="a")]
     optimizer = keras_mp.LossScaleOptimizer(
-        keras.optimizers.SGD(1e-30), loss_scale=keras_mp.DynamicLossScale(2.0)
+        keras.optimizers.SGD(1e-30),
+        loss_scale=keras_mp.DynamicLossScale(2.0),
+        skip_on_device=skip_on_device,
     )
     grads = [ops.convert_to_tensor(np.array([3e38, 3e38], "float32"))]
     _scaled_step(optimizer, grads, variables)
-    assert_bitwise_equal(variables[0], np.zeros(2, "float32"))
-    assert int(to_numpy(optimizer.skipped_steps)) == 1
-    assert float(to_numpy(optimizer.loss_scale())) == 1.0
+    exact = keras.backend.backend() == "torch" and not skip_on_device
+    expected = -1e-30 * np.float32(1.5e38) if exact else 0.0
+    assert_bitwise_equal(variables[0], np.full(2, expected, "float32"))
+    assert int(to_numpy(optimizer.skipped_steps)) == int(not exact)
+    assert float(to_numpy(optimizer.loss_scale())) == (2.0 if exact else 1.0)
 
 
 def test_scale_follows_the_algorithm_step_by_step_with_injected_overflows():
@@ -272,6 +280,7 @@ def test_is_a_keras_loss_scale_optimizer_and_serializes_nested():
         ),
         aggregate_in_float16=True,
         name="scaled",
+        skip_on_device=True,
     )
     assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     config = keras.saving.serialize_keras_object(optimizer)
@@ -281,7 +290,15 @@ def test_is_a_keras_loss_scale_optimizer_and_serializes_nested():
     assert restored.get_config() == optimizer.get_config()
     assert restored.loss_scale.get_config() == optimizer.loss_scale.get_config()
     assert restored.aggregate_in_float16 is True
+    assert restored.skip_on_device is True
     assert float(restored.inner_optimizer.momentum) == 0.2
+
+
+def test_skip_on_device_must_be_a_bool():
+    with pytest.raises(TypeError, match="Received: skip_on_device='yes'"):
+        keras_mp.LossScaleOptimizer(
+            keras.optimizers.SGD(), skip_on_device="yes"
+        )
 
 
 def test_reads_keras3_and_tf_keras_constructor_arguments():

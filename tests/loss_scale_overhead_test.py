@@ -43,11 +43,17 @@ def test_benchmark_prints_step_times_and_ratios_of_the_three_variants(capsys):
     for ratio in ("keras_mp/plain", "keras_mp/keras", "keras/plain"):
         assert len(rows[ratio]) == 4
     if keras.backend.backend() == "torch":
-        # Keras's LossScaleOptimizer reads its skip flag on the host.
-        assert float(rows["keras_mp-syncs"][0]) == 0.0
+        # Keras's LossScaleOptimizer reads its skip flag on the host, as
+        # keras_mp does by default (once); the opt-in skip never does.
+        assert float(rows["keras_mp-syncs"][0]) == 1.0
+        assert float(rows["keras_mp_device-syncs"][0]) == 0.0
         assert float(rows["keras-syncs"][0]) > 0.0
+        assert all(float(figure) > 0 for figure in rows["keras_mp_device"])
+        for ratio in ("keras_mp_device/plain", "keras_mp_device/keras"):
+            assert len(rows[ratio]) == 4
     else:
         assert "keras_mp-syncs" not in rows
+        assert "keras_mp_device" not in rows
     # The barrier floor needs XLA: JAX always, TensorFlow on request.
     if keras.backend.backend() == "jax":
         assert all(float(figure) > 0 for figure in rows["barrier"])

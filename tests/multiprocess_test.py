@@ -90,6 +90,12 @@ _COMMON = textwrap.dedent(
         import keras_mp
 
         inner_kwargs = kwargs.pop("inner_kwargs", {})
+        # PyTorch's two skips (decided on the host by default, or on the
+        # device); the other backends accept the flag and ignore it.
+        kwargs.setdefault(
+            "skip_on_device",
+            os.environ.get("KERAS_MP_TEST_SKIP_ON_DEVICE") == "1",
+        )
         return keras_mp.LossScaleOptimizer(
             keras.optimizers.SGD(0.1, momentum=0.9, **inner_kwargs),
             loss_scale=keras_mp.DynamicLossScale(2**10),
@@ -551,8 +557,10 @@ finish()
 """
 
 
-@pytest.fixture(scope="module")
-def torch_ranks(tmp_path_factory):
+@pytest.fixture(scope="module", params=["host", "device"])
+def torch_ranks(request, tmp_path_factory):
+    # Each pair of processes trains with the skip decided on the host (the
+    # default: the flag MAX-reduced, then read) and on the device.
     return _run_processes(
         _TORCH,
         str(tmp_path_factory.mktemp("torch")),
@@ -560,6 +568,7 @@ def torch_ranks(tmp_path_factory):
             "KERAS_BACKEND": "torch",
             "OMP_NUM_THREADS": "1",
             "KERAS_MP_TEST_INIT_METHOD": f"tcp://127.0.0.1:{_free_port()}",
+            "KERAS_MP_TEST_SKIP_ON_DEVICE": str(int(request.param == "device")),
         },
     )
 

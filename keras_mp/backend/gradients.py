@@ -235,14 +235,15 @@ def update_in_place_unless_skipped(
     """Runs `update(grads_and_vars)` in place; `targets` keep their values
     bit for bit where the bool tensor `condition` is False.
 
-    PyTorch only. Each target's value is saved, the update runs in place
-    whatever `condition` is, then each target is selected with `torch.where`
-    between its new and its saved value. The decision never leaves the
-    device: no tensor becomes a Python bool, and a GPU step never waits for
-    the host (`ops.cond` on torch, like torch AMP's GradScaler, reads the
-    flag on the host every step). The price is one copy of the targets
-    (weights and optimizer state) and one select per step. `targets` must
-    hold every variable `update` may write.
+    PyTorch only, for `LossScaleOptimizer(..., skip_on_device=True)`. Each
+    target's value is saved, the update runs in place whatever `condition`
+    is, then each target is selected with `torch.where` between its new and
+    its saved value. The decision never leaves the device: no tensor becomes
+    a Python bool, and a GPU step never waits for the host (the default
+    skip, like torch AMP's GradScaler, reads the flag on the host every
+    step). The price is one copy of the targets (weights and optimizer
+    state) and one select per step. `targets` must hold every variable
+    `update` may write.
 
     `backups`, a `SkipBackups` kept by the caller, holds the saved values
     from one step to the next: copied into in one multi-tensor call, not
@@ -261,6 +262,78 @@ def update_in_place_unless_skipped(
             # Read again: the update may have replaced a variable's tensor.
             new = target.value
             torch.where(condition.to(new.device), new, old, out=new)
+
+
+def unscale_and_check_finite(grads, variables, factor, unscale):
+    """The gradients unscaled, and whether every value of every one is finite.
+
+    PyTorch only: the check-and-unscale pass of `torch.amp.GradScaler`, one
+    `torch._amp_foreach_non_finite_check_and_unscale_` call per group of
+    gradients of one device and dtype (float16, bfloat16 and float32 alike).
+    Each (scaled) value is checked, then multiplied by the float32 scalar
+    `factor` where `unscale` says so, in float32 arithmetic. A gradient
+    that is its variable's `.grad` (as `fit` and loops of `backward()` then
+    `apply` pass them) is unscaled in place, as GradScaler's `unscale_`
+    does; any other tensor is copied first, so that the caller's tensors
+    keep their values.
+
+    Args:
+        grads: A list of gradients; None entries pass through.
+        variables: Their Keras variables, one per gradient.
+        factor: A float32 scalar tensor, the reciprocal of the loss scale.
+        unscale: One bool per gradient: whether it is multiplied by
+            `factor` (else only checked, as a variable that overwrites
+            itself with its gradient is).
+
+    Returns:
+        `(grads, is_finite)`: the gradients, and a bool scalar tensor on
+        the device of the first gradient (True when there is none).
+    """
+    import torch
+
+    result = list(grads)
+    groups = collections.defaultdict(list)
+    for i, grad in enumerate(grads):
+        if grad is not None:
+            groups[(grad.device, grad.dtype, bool(unscale[i]))].append(i)
+    found_inf = {}
+    for (device, _, scaled), indices in groups.items():
+        tensors = [grads[i] for i in indices]
+        copied = [
+            k
+            for k, i in enumerate(indices)
+            if not _is_grad_attribute(tensors[k], variables[i])
+        ]
+        if copied:
+            copies = torch._foreach_mul([tensors[k] for k in copied], 1.0)
+            for k, copy in zip(copied, copies):
+                tensors[k] = copy
+        if device not in found_inf:
+            found_inf[device] = torch.zeros(1, device=device)
+        inverse = factor if scaled else torch.ones(())
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            tensors,
+            found_inf[device],
+            inverse.to(device=device, dtype=torch.float32).reshape(1),
+        )
+        for i, tensor in zip(indices, tensors):
+            result[i] = tensor
+    if not found_inf:
+        return result, torch.tensor(True)
+    flags = list(found_inf.values())
+    total = flags[0]
+    for flag in flags[1:]:
+        total = total + flag.to(total.device)
+    return result, total.reshape(()) == 0
+
+
+def _is_grad_attribute(grad, variable):
+    """Whether `grad` is the `.grad` of the variable's tensor."""
+    value = getattr(variable, "value", None)
+    return (
+        getattr(value, "is_leaf", False)
+        and getattr(value, "grad", None) is grad
+    )
 
 
 class SkipBackups:

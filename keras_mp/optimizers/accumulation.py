@@ -39,7 +39,33 @@ class AccumulationMixin:
     def _accumulation_steps(self):
         return getattr(self._base_optimizer(), "gradient_accumulation_steps", 0)
 
-    def _run_accumulation_step(self, grads_and_vars, is_finite):
+    def _accumulation_flags(self, is_finite):
+        """`(window_finite, last, apply)` of this micro-step, bool tensors.
+
+        `is_finite` is the micro-step's flag, already the same in every
+        process. `window_finite`: every micro-step of the window so far was
+        finite; `last`: this micro-step ends the window; `apply`: the inner
+        optimizer runs (it accumulates, or applies a finite window).
+        """
+        base = self._base_optimizer()
+        window_finite = ops.logical_and(
+            ops.cast(self._window_finite.value, "bool"), is_finite
+        )
+        # Keras counts micro-steps in `_iterations` (`iterations` is that
+        # floor-divided by `steps`).
+        last = ops.equal(
+            ops.mod(
+                ops.cast(base._iterations.value, "int32") + 1,
+                base.gradient_accumulation_steps,
+            ),
+            0,
+        )
+        apply = ops.logical_or(ops.logical_not(last), window_finite)
+        return window_finite, last, apply
+
+    def _run_accumulation_step(
+        self, grads_and_vars, is_finite, flags, on_host=None
+    ):
         """One micro-step of an inner optimizer that accumulates gradients.
 
         As in torch AMP's recipe: each micro-step's gradients are unscaled
@@ -47,59 +73,76 @@ class AccumulationMixin:
         non-finite micro-step is discarded whole at its last micro-step
         (weights and slots unchanged, accumulators emptied, one skipped
         step); the loss scale is updated once per window, from all of it.
+
+        Args:
+            grads_and_vars: The micro-step's gradients and variables.
+            is_finite: Its flag, the same in every process (under DDP's
+                `no_sync` each process's micro-gradients are its own, so
+                the caller reduces the flag across processes).
+            flags: `_accumulation_flags(is_finite)`.
+            on_host: `(finite, apply, last)` as Python bools, read on the
+                host (PyTorch's default), or None to decide on the device.
         """
         base = self._base_optimizer()
         steps = base.gradient_accumulation_steps
-        # Under DDP's `no_sync` each process's micro-step gradients are its
-        # own: the window's verdict must be every process's.
-        is_finite = collectives.all_processes_finite(is_finite)
-        window_finite = ops.logical_and(
-            ops.cast(self._window_finite.value, "bool"), is_finite
-        )
-        # Keras counts micro-steps in `_iterations` (`iterations` is that
-        # floor-divided by `steps`).
+        window_finite, last, apply = flags
         micro_steps = base._iterations
-        last = ops.equal(
-            ops.mod(ops.cast(micro_steps.value, "int32") + 1, steps), 0
-        )
-        # Non-finite micro-gradients are accumulated as zeros (the window
-        # is discarded anyway), so the accumulators stay finite.
-        safe = [
-            (
-                None
-                if g is None
-                else backend_gradients.map_gradient(
-                    lambda x: ops.where(is_finite, x, ops.zeros_like(x)), g
-                ),
-                v,
-            )
-            for g, v in grads_and_vars
-        ]
-        # Under `no_sync` each process's accumulators also hold only its
-        # own micro-gradients: averaged across processes before the last
-        # micro-step's update, every process applies the global window.
-        collectives.average_across_processes_where(
-            last, _keras_internals.accumulated_gradients(base)
-        )
-        self.apply_if(
-            ops.logical_or(ops.logical_not(last), window_finite), safe
-        )
-        discard = ops.logical_and(last, ops.logical_not(window_finite))
-        for accumulator in _keras_internals.accumulated_gradients(base):
-            value = accumulator.value
-            accumulator.assign(ops.where(discard, ops.zeros_like(value), value))
-        # A discarded window starts again: `iterations` counts applied
+        accumulators = _keras_internals.accumulated_gradients(base)
+        if on_host is None:
+            # Non-finite micro-gradients are accumulated as zeros (the
+            # window is discarded anyway), so the accumulators stay finite.
+            safe = [
+                (
+                    None
+                    if g is None
+                    else backend_gradients.map_gradient(
+                        lambda x: ops.where(is_finite, x, ops.zeros_like(x)),
+                        g,
+                    ),
+                    v,
+                )
+                for g, v in grads_and_vars
+            ]
+            # Under `no_sync` each process's accumulators also hold only
+            # its own micro-gradients: averaged across processes before the
+            # last micro-step's update, every process applies the global
+            # window.
+            collectives.average_across_processes_where(last, accumulators)
+            self.apply_if(apply, safe)
+        else:
+            finite, apply_now, last_now = on_host
+            if not finite:
+                grads_and_vars = [
+                    (None if g is None else ops.zeros_like(g), v)
+                    for g, v in grads_and_vars
+                ]
+            collectives.average_across_processes_where(last_now, accumulators)
+            self.apply_if(apply_now, grads_and_vars)
+        # A discarded window (its last micro-step, not applied) empties the
+        # accumulators and starts again: `iterations` counts applied
         # updates only.
-        micro_steps.assign(
-            ops.where(
-                discard, micro_steps.value - (steps - 1), micro_steps.value
+        if on_host is None:
+            discard = ops.logical_and(last, ops.logical_not(window_finite))
+            for accumulator in accumulators:
+                value = accumulator.value
+                accumulator.assign(
+                    ops.where(discard, ops.zeros_like(value), value)
+                )
+            micro_steps.assign(
+                ops.where(
+                    discard, micro_steps.value - (steps - 1), micro_steps.value
+                )
             )
-        )
+            self._skipped_steps.assign_add(ops.cast(discard, "int32"))
+        elif not apply_now:
+            for accumulator in accumulators:
+                accumulator.assign(ops.zeros_like(accumulator.value))
+            micro_steps.assign(micro_steps.value - (steps - 1))
+            self._skipped_steps.assign_add(1)
         self._update_loss_scale_where(last, window_finite)
         self._window_finite.assign(
             ops.cast(ops.logical_or(last, window_finite), "int32")
         )
-        self._skipped_steps.assign_add(ops.cast(discard, "int32"))
 
     def _update_loss_scale_where(self, condition, is_finite):
         """`loss_scale.update(is_finite)` where `condition` holds, else none."""

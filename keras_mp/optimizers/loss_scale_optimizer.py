@@ -3,7 +3,9 @@
 Scaling the loss, unscaling the gradients (once, whichever loop style),
 the finite check and the skip decision, the loss scale's update, and the
 Keras 3 / tf.keras constructor arguments. Composes `accumulation.py`
-(windows) and `overflow.py` (counters, reports). Imports those,
+(windows), `overflow.py` (counters, reports) and `host_skip.py` (PyTorch's
+default step, decided on the host); `legacy_arguments.py` reads Keras 3's
+and tf.keras's arguments. Imports those,
 `wrapper.py`, `keras_mp.loss_scale` and `keras_mp.backend`; never
 `models.py`, `callbacks.py` or `recommend`.
 """
@@ -19,66 +21,12 @@ from keras_mp import _config
 from keras_mp import loss_scale as loss_scale_module
 from keras_mp.backend import collectives
 from keras_mp.backend import gradients as backend_gradients
+from keras_mp.optimizers import legacy_arguments
 from keras_mp.optimizers import overflow
 from keras_mp.optimizers.accumulation import AccumulationMixin
+from keras_mp.optimizers.host_skip import HostSkipMixin
 from keras_mp.optimizers.overflow import OverflowTrackingMixin
 from keras_mp.optimizers.wrapper import OptimizerWrapper
-
-# Keras 3 used to serialize these base-optimizer arguments for its
-# LossScaleOptimizer; configs holding their default values still load.
-_KERAS_BASE_DEFAULTS = {
-    "weight_decay": None,
-    "clipnorm": None,
-    "global_clipnorm": None,
-    "clipvalue": None,
-    "use_ema": False,
-    "ema_momentum": 0.99,
-    "ema_overwrite_frequency": None,
-    "loss_scale_factor": None,
-    "gradient_accumulation_steps": None,
-}
-
-
-def _loss_scale_from_legacy(dynamic, initial_scale, dynamic_growth_steps):
-    """The LossScale of Keras 3 (`initial_scale`, `dynamic_growth_steps`) and
-    tf.keras (`dynamic`) constructor arguments."""
-    if dynamic is None or dynamic:
-        kwargs = {}
-        if initial_scale is not None:
-            kwargs["initial_loss_scale"] = initial_scale
-        if dynamic_growth_steps is not None:
-            kwargs["increment_period"] = dynamic_growth_steps
-        try:
-            return loss_scale_module.DynamicLossScale(**kwargs)
-        except (TypeError, ValueError) as error:
-            raise type(error)(_in_legacy_names(str(error))) from None
-    if dynamic_growth_steps is not None:
-        raise ValueError(
-            "`dynamic_growth_steps` only applies to a dynamic loss scale. "
-            f"Received: dynamic=False, dynamic_growth_steps="
-            f"{dynamic_growth_steps!r}. Remove it, or set dynamic=True."
-        )
-    if initial_scale is None:
-        raise ValueError(
-            "dynamic=False needs the fixed scale as `initial_scale`. "
-            "Received: initial_scale=None. Pass e.g. initial_scale=128, or "
-            "loss_scale=128."
-        )
-    try:
-        return loss_scale_module.FixedLossScale(initial_scale)
-    except (TypeError, ValueError) as error:
-        raise type(error)(_in_legacy_names(str(error))) from None
-
-
-def _in_legacy_names(message):
-    # The user wrote Keras 3's names; the error must not name DynamicLossScale's.
-    for name, legacy in (
-        ("initial_loss_scale", "initial_scale"),
-        ("loss_scale_value", "initial_scale"),
-        ("increment_period", "dynamic_growth_steps"),
-    ):
-        message = message.replace(name, legacy)
-    return message
 
 
 def _contains_loss_scale_optimizer(optimizer):
@@ -95,6 +43,7 @@ class LossScaleOptimizer(
     OptimizerWrapper,
     AccumulationMixin,
     OverflowTrackingMixin,
+    HostSkipMixin,
     keras.optimizers.LossScaleOptimizer,
 ):
     """An optimizer wrapper that scales the loss so float16 gradients survive.
@@ -105,6 +54,18 @@ class LossScaleOptimizer(
     float32 before the update. With a dynamic scale, a step whose gradients
     overflow (inf/NaN on any replica) is skipped and the scale lowered:
     weights and every inner optimizer variable stay bit-identical.
+
+    Where the skip is decided: on TensorFlow and JAX inside the compiled
+    step (`tf.cond`, `lax.cond`). On PyTorch, whose steps run eagerly, by
+    default the gradients are checked and unscaled in one fused pass
+    (torch.amp's `GradScaler` kernel; a gradient that is its variable's
+    `.grad`, as in `fit`, is unscaled in place, as `GradScaler.unscale_`
+    does), the finite flag is read on the host (free on CPU tensors, one
+    small read per step on an accelerator, as `GradScaler` and Keras's
+    LossScaleOptimizer make), and the inner optimizer updates or not: no
+    copy of the state, and finite steps bit-identical to Keras's class.
+    `skip_on_device=True` opts into a step with no host read, which saves
+    every weight and slot and selects after the update.
 
     Each step (1) scales the loss (`transform_loss`), (2) unscales the
     aggregated gradients (`transform_gradients`), (3) updates the scale and
@@ -135,8 +96,9 @@ class LossScaleOptimizer(
         track_overflow: Whether to count, for every trainable variable, the
             steps whose gradient for it was non-finite and the first such
             step, in two integer variables updated inside the step (no host
-            round trip); `overflow_report()` reads them. Defaults to
-            `False`.
+            round trip of their own; on PyTorch's default skip, only on the
+            steps that overflow); `overflow_report()` reads them. Defaults
+            to `False`.
         state_dtype: Dtype of the inner optimizer's slot variables, e.g.
             `"bfloat16"` (half of float32 Adam's state); the update still
             computes in float32. As for `OptimizerWrapper`. Defaults to
@@ -148,6 +110,19 @@ class LossScaleOptimizer(
             bfloat16/float16 trainable variable, updated by the inner
             optimizer and rounded into the variable after each applied
             step, as for `OptimizerWrapper`. Defaults to `False`.
+        skip_on_device: Whether, on PyTorch, the skip is decided without
+            reading the finite flag on the host, so an accelerator's queue
+            never waits for the host: every weight and slot is saved before
+            the in-place update and selected after it (one copy of the
+            state per step). With Keras's own Adam or AdamW (no clipping,
+            EMA or accumulation on it, no stateful transforms, slots in the
+            variables' dtype) the update is instead torch's fused AdamW
+            kernel, which leaves the state untouched on a skipped step; it
+            adds epsilon after the bias correction, so each update differs
+            from Keras's by a relative `epsilon / (sqrt(v) + epsilon)` at
+            most. On TensorFlow and JAX it is accepted and changes nothing:
+            their skip is always decided on the device. Defaults to
+            `False`.
         **kwargs: Keras 3's `initial_scale` and `dynamic_growth_steps` and
             tf.keras's `dynamic`, so that existing configs load.
 
@@ -174,6 +149,7 @@ class LossScaleOptimizer(
         state_dtype=None,
         stochastic_rounding=None,
         master_weights=False,
+        skip_on_device=False,
         **kwargs,
     ):
         legacy = {
@@ -181,7 +157,7 @@ class LossScaleOptimizer(
             for key in ("dynamic", "initial_scale", "dynamic_growth_steps")
             if key in kwargs
         }
-        for key, default in _KERAS_BASE_DEFAULTS.items():
+        for key, default in legacy_arguments.KERAS_BASE_DEFAULTS.items():
             if key in kwargs and kwargs.pop(key) != default:
                 raise ValueError(
                     f"LossScaleOptimizer does not support `{key}`. Instead, "
@@ -193,7 +169,7 @@ class LossScaleOptimizer(
                 f"`{'`, `'.join(kwargs)}`. It takes inner_optimizer, "
                 "loss_scale, aggregate_in_float16, transform_gradients, "
                 "aggregate_gradients, name, track_overflow, state_dtype, "
-                "stochastic_rounding and master_weights."
+                "stochastic_rounding, master_weights and skip_on_device."
             )
         if legacy:
             if loss_scale != "dynamic":
@@ -202,7 +178,7 @@ class LossScaleOptimizer(
                     f"{sorted(legacy)}, not both. Received: "
                     f"loss_scale={loss_scale!r}, {legacy}"
                 )
-            loss_scale = _loss_scale_from_legacy(
+            loss_scale = legacy_arguments.loss_scale_from_legacy(
                 legacy.get("dynamic"),
                 legacy.get("initial_scale"),
                 legacy.get("dynamic_growth_steps"),
@@ -227,6 +203,7 @@ class LossScaleOptimizer(
         for flag, value in (
             ("aggregate_in_float16", aggregate_in_float16),
             ("track_overflow", track_overflow),
+            ("skip_on_device", skip_on_device),
         ):
             if not isinstance(value, bool):
                 raise TypeError(
@@ -244,6 +221,7 @@ class LossScaleOptimizer(
         self._loss_scale = loss_scale
         self.aggregate_in_float16 = aggregate_in_float16
         self.track_overflow = track_overflow
+        self.skip_on_device = skip_on_device
         self.inner_optimizer.loss_scale_factor = None
         loss_scale._keras_mp_owner = weakref.ref(self)
         # What happened since the last `apply_gradients`, per thread:
@@ -430,6 +408,12 @@ class LossScaleOptimizer(
             # A fixed scale never skips (RFC 293).
             super().run_step(grads_and_vars)
             return
+        if self._skips_on_host():
+            self._run_step_on_host(grads_and_vars)
+            return
+        if self._runs_fused_adam(grads_and_vars):
+            self._run_fused_adam_step(grads_and_vars)
+            return
         grads = [g for g, _ in grads_and_vars]
         if self.track_overflow:
             finite_per_gradient = overflow.finite_per_gradient(grads)
@@ -440,8 +424,13 @@ class LossScaleOptimizer(
         else:
             # One sum per gradient, checked once (see `all_finite`).
             is_finite = backend_gradients.all_finite(grads)
+        # Every process decides alike, whatever its own gradients were
+        # (under DDP's `no_sync` they are its own).
+        is_finite = collectives.all_processes_finite(is_finite)
         if self._accumulation_steps():
-            self._run_accumulation_step(grads_and_vars, is_finite)
+            self._run_accumulation_step(
+                grads_and_vars, is_finite, self._accumulation_flags(is_finite)
+            )
             return
         self.apply_if(is_finite, grads_and_vars)
         self._loss_scale.update(is_finite)
@@ -459,6 +448,7 @@ class LossScaleOptimizer(
         )
         config["aggregate_in_float16"] = self.aggregate_in_float16
         config["track_overflow"] = self.track_overflow
+        config["skip_on_device"] = self.skip_on_device
         return config
 
     @classmethod

@@ -2,8 +2,10 @@
 
 `update_unless_skipped`, behind `OptimizerWrapper.apply_if`: one way per
 backend to leave every model and optimizer variable bit-identical on a
-skipped step without reading the flag on the host. Imports
-`keras_mp.backend` and `keras_mp._keras_internals`; never `wrapper.py`.
+skipped step without reading the flag on the host, and the plain branch
+for a flag already read there (PyTorch's default, see
+`optimizers/host_skip.py`). Imports `keras_mp.backend` and
+`keras_mp._keras_internals`; never `wrapper.py`.
 """
 
 import keras
@@ -16,7 +18,15 @@ from keras_mp.backend import gradients as backend_gradients
 def update_unless_skipped(optimizer, condition, update, grads_and_vars):
     """Runs `update(grads_and_vars)` only where the scalar bool `condition`
     holds; otherwise every variable it would change, and every variable of
-    `optimizer`, keeps its exact value."""
+    `optimizer`, keeps its exact value.
+
+    `condition` is a bool tensor, or a Python bool decided on the host
+    (PyTorch's eager step only): then the update runs, or nothing does.
+    """
+    if isinstance(condition, bool):
+        if condition:
+            _update_on_host(update, grads_and_vars, optimizer)
+        return
     if keras.backend.backend() == "tensorflow":
         # The update's inputs go in as an argument, not in a closure:
         # under tf.distribute the condition is taken in cross-replica
@@ -66,6 +76,23 @@ def update_unless_skipped(optimizer, condition, update, grads_and_vars):
         target.assign(
             ops.where(condition, scope.get_current_value(target), old)
         )
+
+
+def _update_on_host(update, grads_and_vars, optimizer):
+    """The update of a step decided on the host: in place, or in a
+    stateless scope on copies (Keras's PyTorch optimizers update the
+    tensors they are given in place even there, and `stateless_apply`'s
+    inputs must keep their values)."""
+    if not _keras_internals.in_stateless_scope():
+        update(grads_and_vars)
+        return
+    targets = _unique([v for _, v in grads_and_vars] + optimizer.variables)
+    current = [t.value for t in targets]
+    mapping = list(zip(targets, backend_gradients.copies_for_update(current)))
+    with keras.StatelessScope(state_mapping=mapping) as scope:
+        update(grads_and_vars)
+    for target in targets:
+        target.assign(scope.get_current_value(target))
 
 
 def _unique(variables):

@@ -424,14 +424,15 @@ class OptimizerWrapper(
         """Runs stages 5-6 only where the scalar bool `condition` holds.
 
         On a skipped step every model and optimizer variable keeps its exact
-        value, and the condition never becomes a Python bool (no host sync).
-        Inside TensorFlow graphs the update runs in a `tf.cond` branch. On
-        PyTorch the update runs in place and each variable is then selected
-        between its new and its saved value on the device. On JAX the
-        update runs in a stateless scope inside `ops.cond` (`lax.cond`).
-        In a PyTorch stateless scope it runs on copies and each variable is
-        assigned `where(condition, new, old)`. This also works in
-        `stateless_apply`.
+        value. A tensor `condition` never becomes a Python bool (no host
+        sync): inside TensorFlow graphs the update runs in a `tf.cond`
+        branch; on JAX in a stateless scope inside `ops.cond` (`lax.cond`);
+        on PyTorch in place, each variable then selected between its new
+        and its saved value on the device (in a PyTorch stateless scope on
+        copies, each variable assigned `where(condition, new, old)`). A
+        Python bool `condition`, decided on the host (PyTorch's default
+        skip in `LossScaleOptimizer`), runs the update or nothing. This
+        also works in `stateless_apply`.
         """
         skip.update_unless_skipped(
             self, condition, self._transform_and_apply, grads_and_vars

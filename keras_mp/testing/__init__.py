@@ -100,18 +100,12 @@ def assert_bitwise_equal(actual, expected, msg=""):
     assert a.tobytes() == e.tobytes(), f"{msg} bits differ:\n{a}\n!=\n{e}"
 
 
-# The torch.Tensor methods through which a value reaches the host: each one
-# waits for the device to finish the work queued before it.
-_TORCH_HOST_CONVERSIONS = (
-    "item",
-    "tolist",
-    "numpy",
-    "cpu",
-    "__bool__",
-    "__int__",
-    "__float__",
-    "__index__",
-)
+# The torch.Tensor methods through which a whole tensor reaches the host
+# without a scalar read (`item()`, `bool(t)`, `float(t)`, `int(t)` and
+# `t.__index__()` all dispatch to `aten._local_scalar_dense`, counted by a
+# dispatch mode instead): each one waits for the device to finish the work
+# queued before it.
+_TORCH_HOST_CONVERSIONS = ("tolist", "numpy", "cpu")
 
 
 @contextlib.contextmanager
@@ -123,8 +117,12 @@ def count_host_syncs():
     every such conversion is counted, on any device, so the count taken on
     a CPU is the one a GPU would see:
 
-    - torch: the `torch.Tensor` methods `item()`, `bool(t)`, `tolist()`,
-      `numpy()`, `cpu()`, `int(t)`, `float(t)`, `t.__index__()`;
+    - torch: every scalar read, `aten._local_scalar_dense` (what `item()`,
+      `bool(t)`, `int(t)`, `float(t)` and `t.__index__()` dispatch to, from
+      Python or from torch's own C++), seen by a `TorchDispatchMode` and
+      counted as `"_local_scalar_dense"`; a copy from an accelerator to the
+      CPU (`"device_to_host"`); and the `torch.Tensor` methods `tolist()`,
+      `numpy()` and `cpu()`;
     - TensorFlow: an eager tensor's Python-level read into NumPy
       (`numpy()`, `bool(t)`, `float(t)`, `int(t)`), counted as `"numpy"`;
     - JAX: a `jax.Array`'s (`bool(x)`, `x.item()`, `float(x)`, ... all
@@ -183,6 +181,11 @@ def count_host_syncs():
     # A conversion that goes through several counted entry points (NumPy,
     # then the tensor's own method) counts once.
     depth = threading.local()
+    mode = (
+        _torch_scalar_read_counter(counts, depth)
+        if backend == "torch"
+        else contextlib.nullcontext()
+    )
 
     def counted(original, label, only_tensors, self, args, kwargs):
         outermost = not getattr(depth, "value", 0)
@@ -213,10 +216,48 @@ def count_host_syncs():
     for target, name, original, label, only_tensors in patches:
         setattr(target, name, counting(original, label, only_tensors))
     try:
-        yield counts
+        with mode:
+            yield counts
     finally:
         for target, name, original, _, _ in patches:
             setattr(target, name, original)
+
+
+def _torch_scalar_read_counter(counts, depth):
+    """A `TorchDispatchMode` counting scalar reads and device-to-host copies
+    into `counts`, except inside a counted method (see `count_host_syncs`)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    scalar_read = torch.ops.aten._local_scalar_dense.default
+    # Where each copy's source is among its arguments.
+    copies = {
+        torch.ops.aten._to_copy.default: 0,
+        torch.ops.aten.copy_.default: 1,
+    }
+
+    class ScalarReadCounter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if not getattr(depth, "value", 0):
+                if func is scalar_read:
+                    counts["_local_scalar_dense"] += 1
+                elif func in copies and _device_to_host(
+                    args[copies[func]], result
+                ):
+                    counts["device_to_host"] += 1
+            return result
+
+    return ScalarReadCounter()
+
+
+def _device_to_host(source, result):
+    return (
+        getattr(source, "device", None) is not None
+        and getattr(result, "device", None) is not None
+        and source.device.type != "cpu"
+        and result.device.type == "cpu"
+    )
 
 
 def _defining_class(cls, name):
