@@ -1,7 +1,7 @@
 """Precision rules: float32 islands in a mixed model, and why each layer is so.
 
-Imports from keras_mp only `_keras_internals`, `autocast`, `policy`; nothing
-above its floor (see ARCHITECTURE.md).
+Imports from keras_mp only `_keras_internals`, `autocast`, `fp8_layers`,
+`policy`; nothing above its floor (see ARCHITECTURE.md).
 
 Mixed precision is a per-layer decision. A few places lose too much in 16
 bits: a softmax over many classes, the logits a loss reads. tf.keras left
@@ -30,6 +30,7 @@ import keras
 
 from keras_mp import _keras_internals
 from keras_mp import autocast
+from keras_mp import fp8_layers
 from keras_mp import policy as policy_module
 from keras_mp.policy import Policy
 
@@ -316,6 +317,7 @@ def _fitted(policy, layer):
         f"params={current.variable_dtype},compute={policy.compute_dtype},"
         f"output={policy.output_dtype}",
         loss_scale=policy.loss_scale,
+        fp8=policy.fp8,
     )
 
 
@@ -346,15 +348,37 @@ def _install_layer_init_hook():
             # What `explain_precision` names: only such a layer's policy
             # came from a dtype argument.
             self._keras_mp_dtype_argument = True
+            fp8_layers.check_layer(self)
         rules = policy_module._global_float32_islands
-        if explicit or rules is None:
+        recipe = policy_module._global_fp8
+        if (
+            explicit
+            and recipe is not None
+            and kwargs["dtype"] is policy_module._process_policy()
+            and fp8_layers.has_gemm(self)
+        ):
+            # Given the global policy object itself, as MultiHeadAttention
+            # gives its projections its own policy: the FP8 rules still
+            # decide (the float32 islands, as before, do not).
+            self._keras_mp_islands = None
+            self._keras_mp_global_policy = self.dtype_policy
+            fp8_layers.consider(self, recipe)
+            fp8_layers.decide(self)
+        if explicit or (rules is None and recipe is None):
             return
         self._keras_mp_islands = rules
         self._keras_mp_global_policy = self.dtype_policy
-        rule = rules._match(self, None, False, class_rules_only=True)
+        if recipe is not None:
+            fp8_layers.consider(self, recipe)
+        rule = None
+        if rules is not None:
+            rule = rules._match(self, None, False, class_rules_only=True)
         if rule is not None and rule.policy is not None:
             self.dtype_policy = rule.policy
             self._keras_mp_precision_rule = str(rule)
+            fp8_layers.check_layer(self)
+        ruled = rule is not None and rule.policy is not None
+        fp8_layers.decide(self, ruled=ruled)
 
     __init__._keras_mp_hook = True
     keras.layers.Layer.__init__ = __init__
@@ -364,10 +388,14 @@ def _apply_rules(model):
     """Applies the rules that were active when each layer was created."""
     outputs = _output_layers(model)
     for layer in _walk(model, into_models=False):
-        rules = getattr(layer, "_keras_mp_islands", None)
-        if rules is None or getattr(layer, "_keras_mp_rules_decided", False):
+        if not hasattr(layer, "_keras_mp_global_policy") or getattr(
+            layer, "_keras_mp_rules_decided", False
+        ):
             continue
-        rule = rules._match(layer, _path(layer), id(layer) in outputs)
+        rules, is_output = layer._keras_mp_islands, id(layer) in outputs
+        rule = None
+        if rules is not None:
+            rule = rules._match(layer, _path(layer), is_output)
         if rule is None or rule.policy is None:
             policy = layer._keras_mp_global_policy
         else:
@@ -376,10 +404,13 @@ def _apply_rules(model):
         if policy is not layer.dtype_policy:
             _set_policy(layer, _fitted(policy, layer))
         layer._keras_mp_precision_rule = None if rule is None else str(rule)
+        ruled = rule is not None and rule.policy is not None
+        fp8_layers.decide(layer, is_output, ruled=ruled)
         # Once: a second model built on these layers (a feature extractor
         # whose outputs are inner layers) must not change the first one.
         layer._keras_mp_rules_decided = True
     model._keras_mp_rules_applied = True
+    fp8_layers.check_model(model)
 
 
 def _warn_if_overriding_a_map_entry(layer, rule):
@@ -418,7 +449,7 @@ def _after_call(operation, outputs):
         isinstance(operation, keras.Model)
         and not isinstance(operation, _keras_internals.Functional)
         and not getattr(operation, "_keras_mp_rules_applied", False)
-        and getattr(operation, "_keras_mp_islands", None) is not None
+        and hasattr(operation, "_keras_mp_global_policy")
         and operation.built
     ):
         _apply_rules(operation)
@@ -458,8 +489,14 @@ def explain_precision(model, rules=None, print_fn=print):
     Returns:
         A list with one dict per layer (depth first, as `model.summary`
         nests): `layer` (its path, or its name for layers without weights),
-        `class_name`, `variable_dtype`, `compute_dtype`, `output_dtype` and
-        `rule`.
+        `class_name`, `variable_dtype`, `compute_dtype`, `output_dtype`,
+        `rule` and `fp8`: the layer's FP8 recipe as
+        `"scaling/granularity/formats"` (e.g. `"current/tensorwise/hybrid"`),
+        or why it has none: `"output layer"`, `"embedding"`, `"no GEMM"`,
+        `"dims 10x3 not multiples of 16"` (what `keras_mp.fp8.DEFAULT_RULES`
+        skipped), `"precision rule"` (a rule gave it a policy), or `"off"`.
+        The table has the `fp8` column when some layer has a recipe or
+        was left to the FP8 rules.
 
     Example:
 
@@ -473,7 +510,7 @@ def explain_precision(model, rules=None, print_fn=print):
     rules = _resolve(rules, "rules")
     layers = [model, *_walk(model, into_models=True)]
     outputs = _output_layers(model)
-    rows = []
+    rows, uses_fp8 = [], False
     for layer in layers:
         if isinstance(layer, keras.layers.InputLayer):
             continue
@@ -487,10 +524,16 @@ def explain_precision(model, rules=None, print_fn=print):
                 "compute_dtype": policy.compute_dtype,
                 "output_dtype": output_dtype,
                 "rule": _reason(layer, policy, rules, id(layer) in outputs),
+                "fp8": fp8_layers.describe(layer, policy),
             }
         )
+        uses_fp8 = (
+            uses_fp8
+            or fp8_layers.considered(layer)
+            or (getattr(policy, "fp8", None) is not None)
+        )
     if print_fn is not None:
-        print_fn(_table(rows))
+        print_fn(_table(rows, with_fp8=uses_fp8))
     return rows
 
 
@@ -513,7 +556,7 @@ def _reason(layer, policy, rules, is_output):
     return "global policy"
 
 
-def _table(rows):
+def _table(rows, with_fp8):
     header = {
         "layer": "layer",
         "class_name": "class",
@@ -522,6 +565,8 @@ def _table(rows):
         "output_dtype": "output",
         "rule": "rule",
     }
+    if with_fp8:
+        header["fp8"] = "fp8"
     keys = list(header)
     widths = {
         key: max(len(str(row[key])) for row in [header, *rows]) for key in keys

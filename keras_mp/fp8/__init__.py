@@ -6,5 +6,7 @@
 
 from keras_mp.fp8.recipe import DEFAULT_RECIPE
 from keras_mp.fp8.recipe import Recipe
+from keras_mp.fp8.rules import DEFAULT_RULES
+from keras_mp.fp8.rules import Rules
 
-__all__ = ["DEFAULT_RECIPE", "Recipe"]
+__all__ = ["DEFAULT_RECIPE", "DEFAULT_RULES", "Recipe", "Rules"]
