@@ -4,7 +4,10 @@
 `keras_mp.backend` and floor 1 (see ARCHITECTURE.md).
 """
 
+from keras_mp.fp8.dot import dot
+from keras_mp.fp8.einsum import einsum
+from keras_mp.fp8.quantize import quantize
 from keras_mp.fp8.recipe import DEFAULT_RECIPE
 from keras_mp.fp8.recipe import Recipe
 
-__all__ = ["DEFAULT_RECIPE", "Recipe"]
+__all__ = ["DEFAULT_RECIPE", "Recipe", "dot", "einsum", "quantize"]
