@@ -154,9 +154,11 @@ def _call_recipe(layer):
 def _stored(variable):
     # The GEMM quantizes the stored (float32) kernel: rounding it to the
     # compute dtype first would round twice, and its gradient would pass
-    # through the compute dtype on the way to a float32 variable.
+    # through the compute dtype on the way to a float32 variable. A read
+    # (`copy`), not the variable: TensorFlow's custom gradient refuses a
+    # function that captures a variable.
     with _keras_internals.without_autocast():
-        return keras.ops.convert_to_tensor(variable)
+        return keras.ops.copy(variable)
 
 
 def _bias_and_activation(layer, x):
