@@ -1,7 +1,7 @@
 """Dtype policies with a loss scale, and the process-global policy.
 
-Imports from keras_mp only `_keras_internals`, `backend.devices`,
-`fp8.recipe`, `loss_scale`; nothing above its floor (see ARCHITECTURE.md).
+Imports from keras_mp only `_keras_internals`, `fp8.recipe`, `loss_scale`,
+`policy_names`; nothing above its floor (see ARCHITECTURE.md).
 """
 
 import contextlib
@@ -12,95 +12,8 @@ import keras
 
 from keras_mp import _keras_internals
 from keras_mp import loss_scale as loss_scale_module
+from keras_mp import policy_names
 from keras_mp.fp8 import recipe as recipe_module
-
-_MIXED_NAMES = ("mixed_float16", "mixed_bfloat16")
-_VALID_NAMES_TEXT = (
-    "'mixed_float16', 'mixed_bfloat16', the name of a float dtype "
-    "('float16', 'bfloat16', 'float32', 'float64'), or a spec such as "
-    "'params=float32,compute=bfloat16,output=float32'"
-)
-# The spellings jmp (google-deepmind/jmp) accepts, so its policy strings work
-# unchanged. "half" is resolved against the hardware, as jmp does.
-_SPEC_DTYPES = {
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-    "f16": "float16",
-    "float16": "float16",
-    "full": "float32",
-    "f32": "float32",
-    "float32": "float32",
-    "f64": "float64",
-    "float64": "float64",
-    "half": None,
-}
-_SPEC_KEYS = {
-    "p": "params",
-    "params": "params",
-    "c": "compute",
-    "compute": "compute",
-    "o": "output",
-    "output": "output",
-}
-_SPEC_HELP = (
-    "A spec is 'params=D,compute=D,output=D' (keys may be shortened to "
-    "p/c/o and left out: params defaults to float32, compute follows params, "
-    "output follows compute), where D is one of "
-    f"{sorted(_SPEC_DTYPES)}"
-)
-
-
-def _half_dtype():
-    # jmp's rule: bfloat16 on TPU, float16 elsewhere. It asks the runtime
-    # which devices exist, so only "half" ever initializes it.
-    from keras_mp.backend import devices
-
-    kinds = {detail["kind"] for detail in devices.device_details()}
-    return "bfloat16" if "tpu" in kinds else "float16"
-
-
-def _spec_dtype(value, name):
-    if value not in _SPEC_DTYPES:
-        raise ValueError(
-            f"Unknown dtype {value!r} in the policy spec. {_SPEC_HELP}. "
-            f"Received: name={name!r}"
-        )
-    return _SPEC_DTYPES[value] or _half_dtype()
-
-
-def _parse_spec(name):
-    """`(variable, compute, output)` dtypes of a jmp-style spec or short name."""
-    if "=" not in name:
-        dtype = _spec_dtype(name, name)
-        return dtype, dtype, dtype
-    parts = {}
-    for part in name.split(","):
-        key, separator, value = part.strip().partition("=")
-        key = key.strip()
-        if not separator or key not in _SPEC_KEYS:
-            raise ValueError(
-                f"Unknown key {key!r} in the policy spec: expected "
-                f"{sorted(_SPEC_KEYS)}. {_SPEC_HELP}. Received: name={name!r}"
-            )
-        if _SPEC_KEYS[key] in parts:
-            raise ValueError(
-                f"The policy spec gives {_SPEC_KEYS[key]!r} twice. "
-                f"{_SPEC_HELP}. Received: name={name!r}"
-            )
-        parts[_SPEC_KEYS[key]] = _spec_dtype(value.strip(), name)
-    variable = parts.get("params", "float32")
-    compute = parts.get("compute", variable)
-    return variable, compute, parts.get("output", compute)
-
-
-def _canonical_name(variable, compute, output):
-    """The shortest name that parses back to these dtypes."""
-    if output == compute:
-        if variable == compute:
-            return compute
-        if variable == "float32" and f"mixed_{compute}" in _MIXED_NAMES:
-            return f"mixed_{compute}"
-    return f"params={variable},compute={compute},output={output}"
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -170,29 +83,29 @@ class Policy(keras.DTypePolicy):
     def __init__(self, name, loss_scale="auto", fp8=None):
         if not isinstance(name, str):
             raise TypeError(
-                f"`name` must be a string: {_VALID_NAMES_TEXT}. "
+                f"`name` must be a string: {policy_names.VALID_NAMES_TEXT}. "
                 f"Received: name={name!r} (of type {type(name).__name__})"
             )
         if name.startswith(_keras_internals.QUANTIZATION_MODES):
             raise ValueError(
-                f"keras_mp.Policy takes {_VALID_NAMES_TEXT}. Received: "
+                f"keras_mp.Policy takes {policy_names.VALID_NAMES_TEXT}. Received: "
                 f"name={name!r}, a quantized policy; use "
                 "`keras.dtype_policies.get(name)` for quantization."
             )
-        if "=" in name or name in _SPEC_DTYPES:
-            dtypes = _parse_spec(name)
+        if "=" in name or name in policy_names.SPEC_DTYPES:
+            dtypes = policy_names.parse_spec(name)
         else:
             try:
                 keras_policy = keras.DTypePolicy(name)
             except ValueError:
                 raise ValueError(
-                    f"Unknown policy name. Expected {_VALID_NAMES_TEXT}. "
+                    f"Unknown policy name. Expected {policy_names.VALID_NAMES_TEXT}. "
                     f"Received: name={name!r}"
                 ) from None
             compute = keras_policy.compute_dtype
             dtypes = keras_policy.variable_dtype, compute, compute
         self._variable, self._compute, self._output = dtypes
-        super().__init__(_canonical_name(*dtypes))
+        super().__init__(policy_names.canonical_name(*dtypes))
         if loss_scale == "auto":
             loss_scale = (
                 "dynamic"
