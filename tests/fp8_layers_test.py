@@ -255,3 +255,22 @@ def test_an_inf_in_an_fp8_layer_output_gradient_skips_the_step(overflow):
         assert float(to_numpy(optimizer.loss_scale())) == 2.0**15
         kernel = model.get_layer("fp8_out").kernel
         assert not np.array_equal(to_numpy(kernel), before[2])
+
+
+def test_keras_float8_quantization_keeps_its_own_path():
+    layer = keras.layers.Dense(
+        32, dtype=keras_mp.Policy("float32", fp8=True), name="quantized"
+    )
+    layer.build((None, 64))
+    layer.quantize("float8")
+    assert layer.quantization_mode == "float8"
+    assert keras_mp.policy.layer_policy(layer).quantization_mode == "float8"
+    out = to_numpy(layer(_rng().normal(size=(2, 64)).astype("float32")))
+    assert out.shape == (2, 32) and np.isfinite(out).all()
+
+
+def test_a_delayed_recipe_in_a_layer_raises_with_the_fix():
+    recipe = fp8.Recipe(scaling="delayed")
+    layer = keras.layers.Dense(32, dtype=keras_mp.Policy("float32", fp8=recipe))
+    with pytest.raises(ValueError, match="scaling='current'"):
+        layer(keras.ops.ones((2, 64)))

@@ -261,3 +261,19 @@ class TestExplicitRecipes:
             "functional": "no GEMM",
         }
         assert restored.get_layer("up").dtype_policy.fp8 == _RECIPE
+
+
+def test_rules_validate_their_multiples_and_name_the_required_one():
+    with pytest.raises(ValueError, match="Received: multiple=0"):
+        fp8.Rules(multiple=0)
+    with pytest.raises(ValueError, match="Received: block_multiple=True"):
+        fp8.Rules(block_multiple=True)
+    rules = fp8.Rules(multiple=8, block_multiple=64)
+    assert rules.required_multiple(fp8.Recipe()) == 8
+    assert rules.required_multiple(fp8.Recipe(granularity="block")) == 64
+    layer = keras.layers.Dense(24)
+    layer.build((None, 40))
+    assert rules.skip_reason(layer, fp8.Recipe()) is None
+    assert fp8.DEFAULT_RULES.skip_reason(layer, fp8.Recipe()) == (
+        "dims 40x24 not multiples of 16"
+    )
