@@ -408,8 +408,10 @@ def set_global_policy(policy, float32_islands=None, fp8=None):
             Sequential or functional model's output layers and GEMMs whose
             dimensions are not multiples of 16 (128 for `"block"`).
             A `float32_islands` rule that gives a layer a policy wins over
-            them. `keras_mp.explain_precision` shows each layer's recipe or
-            why it has none. Defaults to None.
+            them: a subclassed model's output layers cannot be found, so
+            name them by path (`precision_rules({"head": "float32"})`).
+            `keras_mp.explain_precision` shows each layer's recipe or why
+            it has none. Defaults to None.
 
     Example:
 
