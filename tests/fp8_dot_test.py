@@ -340,3 +340,42 @@ def test_einsum_that_is_not_one_dot_raises_naming_the_equation(equation):
             np.ones((2, 4, 16), "float32"),
             np.ones((16, 16), "float32"),
         )
+
+
+def test_gradients_reach_keras_variables():
+    from keras_mp.backend import gradients
+
+    x, kernel, g = _operands(16, 32, 16, seed=8)
+    x_variable, kernel_variable = keras.Variable(x), keras.Variable(kernel)
+    dx, dw = gradients.compute_gradients(
+        lambda: ops.sum(
+            fp8.dot(x_variable, kernel_variable) * ops.convert_to_tensor(g)
+        ),
+        [x_variable, kernel_variable],
+    )
+    _, expected_dx, expected_dw = _run(_dot(fp8.DEFAULT_RECIPE), x, kernel, g)
+    np.testing.assert_array_equal(to_numpy(dx), to_numpy(expected_dx))
+    np.testing.assert_array_equal(to_numpy(dw), to_numpy(expected_dw))
+
+
+class _FP8Dense(keras.layers.Dense):
+    def call(self, inputs):
+        return fp8.dot(inputs, self.kernel) + self.bias
+
+
+def test_a_layer_calling_dot_trains_in_fit_under_mixed_bfloat16():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((32,)), _FP8Dense(16, activation="relu"), _FP8Dense(1)]
+    )
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(64, 32)).astype("float32")
+    y = x[:, :1]
+    before = [to_numpy(w) for w in model.trainable_weights]
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    after = [to_numpy(w) for w in model.trainable_weights]
+    assert all((a != b).any() for a, b in zip(after, before))
