@@ -42,6 +42,26 @@ def einsum_float32(equation, a, b):
     raise ValueError(f"Unsupported Keras backend: {backend!r}")
 
 
+def read_tensor(x):
+    """`x` as a tensor; a variable (Keras or TensorFlow) is read first.
+
+    TensorFlow's `custom_gradient` requires a gradient function taking
+    `variables=` when a variable is read inside it; reading it before
+    makes the variable's gradient flow through the tensor instead.
+    """
+    if keras.backend.backend() == "tensorflow":
+        return _tensorflow_read_tensor(x)
+    return keras.ops.convert_to_tensor(x)
+
+
+def _tensorflow_read_tensor(x):
+    import tensorflow as tf
+
+    if isinstance(x, keras.Variable):
+        x = x.value
+    return tf.convert_to_tensor(x)
+
+
 def _jax_einsum_float32(equation, a, b):
     import jax.numpy as jnp
 

@@ -216,8 +216,8 @@ def dot(x, kernel, recipe=None, output_dtype=None):
             "`fp8.dot` needs a recipe. Received: recipe=False. Pass a "
             "`keras_mp.fp8.Recipe`, or None for the default one."
         )
-    x = ops.convert_to_tensor(x)
-    kernel = ops.convert_to_tensor(kernel)
+    x = fp8_backend.read_tensor(x)
+    kernel = fp8_backend.read_tensor(kernel)
     x_dtype, kernel_dtype, output_dtype = _check_operands(
         x, kernel, recipe, output_dtype
     )

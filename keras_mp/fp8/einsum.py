@@ -8,7 +8,7 @@ transposed into the equation's output. Anything else (a batch letter in
 both operands and the output, a letter summed out of one operand, a
 repeated letter) raises a ValueError naming the equation.
 
-Imports only its `keras_mp.fp8` siblings.
+Imports only `keras_mp.backend` and its `keras_mp.fp8` siblings.
 """
 
 import math
@@ -16,6 +16,7 @@ import string
 
 from keras import ops
 
+from keras_mp.backend import fp8 as fp8_backend
 from keras_mp.fp8.dot import dot
 
 
@@ -104,8 +105,8 @@ def einsum(equation, x, kernel, recipe=None, output_dtype=None):
     >>> tuple(y.shape), float(keras.ops.convert_to_numpy(y)[0, 0, 0, 0])
     ((2, 3, 2, 4), 4.0)
     """
-    x = ops.convert_to_tensor(x)
-    kernel = ops.convert_to_tensor(kernel)
+    x = fp8_backend.read_tensor(x)
+    kernel = fp8_backend.read_tensor(kernel)
     x_spec, kernel_spec, output, contracted, x_free, kernel_free = _plan(
         equation, len(x.shape), len(kernel.shape)
     )

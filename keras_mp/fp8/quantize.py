@@ -120,7 +120,10 @@ def quantize_reduced(x, fmt, axes, margin=0, scale=None):
         `(codes, scale)`, the scale with `axes` kept as size-1 dimensions.
     """
     if scale is None:
-        amax = ops.max(ops.abs(x), axis=axes, keepdims=True)
+        # A NaN counts as inf: XLA's CPU max reductions drop NaNs in large
+        # tensors (jax 0.10), and either way the scale must be non-finite.
+        magnitude = ops.where(ops.isnan(x), float("inf"), ops.abs(x))
+        amax = ops.max(magnitude, axis=axes, keepdims=True)
         scale = scale_from_amax(amax, fmt, margin)
     return encode(x / scale, fmt), scale
 
@@ -155,8 +158,8 @@ def quantize(
     and DeepSeek-V3 choose it; `s = 1` where `amax` is 0. The codes are
     `x / s` cast to FP8, finite values beyond `±fmax` clipped first. Inf
     and NaN are never clipped into range: a tensor holding one gets a
-    non-finite scale, so an overflowing gradient stays non-finite for a
-    loss-scale skip to see.
+    infinite scale (NaN counts as inf in the amax), so an overflowing
+    gradient stays non-finite for a loss-scale skip to see.
 
     Args:
         x: A floating point tensor (float16, bfloat16, float32, float64);
