@@ -17,6 +17,7 @@ from keras_mp import optimizers
 from keras_mp import transforms
 from keras_mp.autocast import AutoCastVariable
 from keras_mp.autocast import enable_autocast
+from keras_mp.explain import explain_precision
 from keras_mp.loss_scale import DynamicLossScale
 from keras_mp.loss_scale import FixedLossScale
 from keras_mp.loss_scale import LossScale
@@ -25,7 +26,6 @@ from keras_mp.optimizers import OptimizerWrapper
 from keras_mp.policy import Policy
 from keras_mp.precision import DEFAULT_FLOAT32_ISLANDS
 from keras_mp.precision import PrecisionRules
-from keras_mp.precision import explain_precision
 from keras_mp.precision import precision_rules
 from keras_mp.policy import global_policy
 from keras_mp.policy import policy_scope

@@ -1,7 +1,7 @@
 """Dtype policies with a loss scale, and the process-global policy.
 
-Imports from keras_mp only `_keras_internals`, `backend.devices`, `loss_scale`;
-nothing above its floor (see ARCHITECTURE.md).
+Imports from keras_mp only `_keras_internals`, `fp8.recipe`, `loss_scale`,
+`policy_names`; nothing above its floor (see ARCHITECTURE.md).
 """
 
 import contextlib
@@ -12,94 +12,8 @@ import keras
 
 from keras_mp import _keras_internals
 from keras_mp import loss_scale as loss_scale_module
-
-_MIXED_NAMES = ("mixed_float16", "mixed_bfloat16")
-_VALID_NAMES_TEXT = (
-    "'mixed_float16', 'mixed_bfloat16', the name of a float dtype "
-    "('float16', 'bfloat16', 'float32', 'float64'), or a spec such as "
-    "'params=float32,compute=bfloat16,output=float32'"
-)
-# The spellings jmp (google-deepmind/jmp) accepts, so its policy strings work
-# unchanged. "half" is resolved against the hardware, as jmp does.
-_SPEC_DTYPES = {
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-    "f16": "float16",
-    "float16": "float16",
-    "full": "float32",
-    "f32": "float32",
-    "float32": "float32",
-    "f64": "float64",
-    "float64": "float64",
-    "half": None,
-}
-_SPEC_KEYS = {
-    "p": "params",
-    "params": "params",
-    "c": "compute",
-    "compute": "compute",
-    "o": "output",
-    "output": "output",
-}
-_SPEC_HELP = (
-    "A spec is 'params=D,compute=D,output=D' (keys may be shortened to "
-    "p/c/o and left out: params defaults to float32, compute follows params, "
-    "output follows compute), where D is one of "
-    f"{sorted(_SPEC_DTYPES)}"
-)
-
-
-def _half_dtype():
-    # jmp's rule: bfloat16 on TPU, float16 elsewhere. It asks the runtime
-    # which devices exist, so only "half" ever initializes it.
-    from keras_mp.backend import devices
-
-    kinds = {detail["kind"] for detail in devices.device_details()}
-    return "bfloat16" if "tpu" in kinds else "float16"
-
-
-def _spec_dtype(value, name):
-    if value not in _SPEC_DTYPES:
-        raise ValueError(
-            f"Unknown dtype {value!r} in the policy spec. {_SPEC_HELP}. "
-            f"Received: name={name!r}"
-        )
-    return _SPEC_DTYPES[value] or _half_dtype()
-
-
-def _parse_spec(name):
-    """`(variable, compute, output)` dtypes of a jmp-style spec or short name."""
-    if "=" not in name:
-        dtype = _spec_dtype(name, name)
-        return dtype, dtype, dtype
-    parts = {}
-    for part in name.split(","):
-        key, separator, value = part.strip().partition("=")
-        key = key.strip()
-        if not separator or key not in _SPEC_KEYS:
-            raise ValueError(
-                f"Unknown key {key!r} in the policy spec: expected "
-                f"{sorted(_SPEC_KEYS)}. {_SPEC_HELP}. Received: name={name!r}"
-            )
-        if _SPEC_KEYS[key] in parts:
-            raise ValueError(
-                f"The policy spec gives {_SPEC_KEYS[key]!r} twice. "
-                f"{_SPEC_HELP}. Received: name={name!r}"
-            )
-        parts[_SPEC_KEYS[key]] = _spec_dtype(value.strip(), name)
-    variable = parts.get("params", "float32")
-    compute = parts.get("compute", variable)
-    return variable, compute, parts.get("output", compute)
-
-
-def _canonical_name(variable, compute, output):
-    """The shortest name that parses back to these dtypes."""
-    if output == compute:
-        if variable == compute:
-            return compute
-        if variable == "float32" and f"mixed_{compute}" in _MIXED_NAMES:
-            return f"mixed_{compute}"
-    return f"params={variable},compute={compute},output={output}"
+from keras_mp import policy_names
+from keras_mp.fp8 import recipe as recipe_module
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -135,6 +49,17 @@ class Policy(keras.DTypePolicy):
             saying so) and None otherwise. Also takes None,
             `"dynamic"`, a number (a `FixedLossScale`), a `LossScale` or a
             loss scale config dict. Defaults to `"auto"`.
+        fp8: The `keras_mp.fp8.Recipe` by which a `Dense` or `EinsumDense`
+            layer with this policy computes its GEMM (its matrix product)
+            in FP8, `True` for `keras_mp.fp8.DEFAULT_RECIPE`, or None.
+            Only the GEMM changes: the layer's bias, activation and
+            output stay in the compute dtype, its kernel in the variable
+            dtype (the GEMM quantizes the stored kernel, not a 16-bit copy
+            of it). A `"float32"` policy with a recipe is allowed: FP8
+            GEMMs, float32 everywhere else. Other layers have no GEMM and
+            refuse such a policy. This is not Keras's `"float8"`
+            quantization mode: `quantization_mode` stays None. Defaults to
+            None.
 
     Example:
 
@@ -150,34 +75,37 @@ class Policy(keras.DTypePolicy):
     'params=float32,compute=bfloat16,output=float32'
     >>> policy.variable_dtype, policy.compute_dtype, policy.output_dtype
     ('float32', 'bfloat16', 'float32')
+    >>> policy = keras_mp.Policy("mixed_bfloat16", fp8=True)
+    >>> policy.fp8 == keras_mp.fp8.DEFAULT_RECIPE, policy.quantization_mode
+    (True, None)
     """
 
-    def __init__(self, name, loss_scale="auto"):
+    def __init__(self, name, loss_scale="auto", fp8=None):
         if not isinstance(name, str):
             raise TypeError(
-                f"`name` must be a string: {_VALID_NAMES_TEXT}. "
+                f"`name` must be a string: {policy_names.VALID_NAMES_TEXT}. "
                 f"Received: name={name!r} (of type {type(name).__name__})"
             )
         if name.startswith(_keras_internals.QUANTIZATION_MODES):
             raise ValueError(
-                f"keras_mp.Policy takes {_VALID_NAMES_TEXT}. Received: "
+                f"keras_mp.Policy takes {policy_names.VALID_NAMES_TEXT}. Received: "
                 f"name={name!r}, a quantized policy; use "
                 "`keras.dtype_policies.get(name)` for quantization."
             )
-        if "=" in name or name in _SPEC_DTYPES:
-            dtypes = _parse_spec(name)
+        if "=" in name or name in policy_names.SPEC_DTYPES:
+            dtypes = policy_names.parse_spec(name)
         else:
             try:
                 keras_policy = keras.DTypePolicy(name)
             except ValueError:
                 raise ValueError(
-                    f"Unknown policy name. Expected {_VALID_NAMES_TEXT}. "
+                    f"Unknown policy name. Expected {policy_names.VALID_NAMES_TEXT}. "
                     f"Received: name={name!r}"
                 ) from None
             compute = keras_policy.compute_dtype
             dtypes = keras_policy.variable_dtype, compute, compute
         self._variable, self._compute, self._output = dtypes
-        super().__init__(_canonical_name(*dtypes))
+        super().__init__(policy_names.canonical_name(*dtypes))
         if loss_scale == "auto":
             loss_scale = (
                 "dynamic"
@@ -185,6 +113,15 @@ class Policy(keras.DTypePolicy):
                 else None
             )
         self._loss_scale = loss_scale_module.get(loss_scale)
+        self._fp8 = recipe_module.get(fp8)
+        if self._fp8 is not None and not keras.backend.is_float_dtype(
+            self._compute
+        ):
+            raise ValueError(
+                "An FP8 recipe needs a float compute dtype, such as "
+                f"'mixed_bfloat16'. Received: name={name!r}, fp8={fp8!r}. "
+                "Leave `fp8` None for this policy."
+            )
 
     def _parse_name(self, name):
         # Called by `keras.DTypePolicy.__init__` with the canonical name,
@@ -204,30 +141,49 @@ class Policy(keras.DTypePolicy):
         """The `LossScale` that `compile` copies for the optimizer, or None."""
         return self._loss_scale
 
+    @property
+    def fp8(self):
+        """The `keras_mp.fp8.Recipe` of the layer's GEMM, or None."""
+        return self._fp8
+
     def get_config(self):
-        """Every constructor argument, as `from_config` takes it."""
+        """Every constructor argument, as `from_config` takes it.
+
+        `fp8` (the recipe's config) is present only when set, as Keras
+        writes `lora_rank` only when set: a policy without a recipe keeps
+        the config it had before FP8 existed.
+        """
         loss_scale = None
         if self._loss_scale is not None:
             loss_scale = keras.saving.serialize_keras_object(self._loss_scale)
-        return {"name": self.name, "loss_scale": loss_scale}
+        config = {"name": self.name, "loss_scale": loss_scale}
+        if self._fp8 is not None:
+            config["fp8"] = self._fp8.get_config()
+        return config
 
     @classmethod
     def from_config(cls, config):
         if not isinstance(config, dict) or "name" not in config:
             raise ValueError(
-                "A Policy config is a dict with a 'name' key and an optional "
-                f"'loss_scale' key. Received: config={config!r}"
+                "A Policy config is a dict with a 'name' key and optional "
+                f"'loss_scale' and 'fp8' keys. Received: config={config!r}"
             )
-        unknown = set(config) - {"name", "loss_scale"}
+        unknown = set(config) - {"name", "loss_scale", "fp8"}
         if unknown:
             raise ValueError(
-                "A Policy config takes only 'name' and 'loss_scale'. "
+                "A Policy config takes only 'name', 'loss_scale' and 'fp8'. "
                 f"Received unknown keys: {sorted(unknown)}"
             )
-        return cls(config["name"], loss_scale=config.get("loss_scale", "auto"))
+        return cls(
+            config["name"],
+            loss_scale=config.get("loss_scale", "auto"),
+            fp8=config.get("fp8"),
+        )
 
     def __eq__(self, other):
         if type(other) is not type(self) or self.name != other.name:
+            return False
+        if self._fp8 != other._fp8:
             return False
         if self._loss_scale is None or other._loss_scale is None:
             return self._loss_scale is other._loss_scale
@@ -238,7 +194,8 @@ class Policy(keras.DTypePolicy):
     __hash__ = None
 
     def __repr__(self):
-        return f'<Policy "{self.name}", loss_scale={self._loss_scale!r}>'
+        fp8 = "" if self._fp8 is None else f", fp8={self._fp8!r}"
+        return f'<Policy "{self.name}", loss_scale={self._loss_scale!r}{fp8}>'
 
 
 # Process-global, not thread-local: a layer built in a worker thread (a data
@@ -360,9 +317,24 @@ def _to_policy(policy):
     )
 
 
+def _check_no_fp8(policy):
+    default = getattr(policy, "default_policy", policy)
+    if getattr(default, "fp8", None) is not None:
+        raise ValueError(
+            "A global or scoped policy cannot carry an FP8 recipe: every "
+            "layer would take it, including those without a GEMM. Received: "
+            f"policy={policy!r}. Give the recipe on its own, "
+            f"`keras_mp.set_global_policy({default.name!r}, fp8=recipe)`, "
+            "which gives it to the Dense and EinsumDense layers that "
+            "`keras_mp.fp8.DEFAULT_RULES` select, or to chosen layers with "
+            "`keras_mp.precision_rules`."
+        )
+
+
 def _checked(policy):
     """`policy` as a keras_mp Policy (or DTypePolicyMap), validated."""
     policy = _to_policy(policy)
+    _check_no_fp8(policy)
     default = getattr(policy, "default_policy", policy)
     if not keras.backend.is_float_dtype(default.compute_dtype):
         raise ValueError(
@@ -386,8 +358,10 @@ def _checked(policy):
 
 
 # The float32 islands (a `keras_mp.PrecisionRules`) that layers created
-# without a `dtype` follow, or None. Set with the global policy.
+# without a `dtype` follow, or None; and the FP8 recipe that
+# `fp8.DEFAULT_RULES` give such layers, or None. Set with the global policy.
 _global_float32_islands = None
+_global_fp8 = None
 _islands_resolver = None
 
 
@@ -397,7 +371,7 @@ def _install_islands_resolver(resolver):
     _islands_resolver = resolver
 
 
-def set_global_policy(policy, float32_islands=None):
+def set_global_policy(policy, float32_islands=None, fp8=None):
     """Sets the global policy, for keras_mp and for Keras's built-in layers.
 
     Call it before building models: layers take the global policy when they
@@ -426,6 +400,18 @@ def set_global_policy(policy, float32_islands=None):
             `DTypePolicyMap`, a rule that matches a layer wins over the
             map's entry for it, with a warning (see
             `keras_mp.precision_rules`). Defaults to None.
+        fp8: A `keras_mp.fp8.Recipe`, `True` (`keras_mp.fp8.DEFAULT_RECIPE`)
+            or None. The layers that `keras_mp.fp8.DEFAULT_RULES` select
+            among those created afterwards without a `dtype` compute their
+            GEMMs in FP8 by this recipe: every `Dense` and `EinsumDense`
+            (`MultiHeadAttention`'s projections included) except a
+            Sequential or functional model's output layers and GEMMs whose
+            dimensions are not multiples of 16 (128 for `"block"`).
+            A `float32_islands` rule that gives a layer a policy wins over
+            them: a subclassed model's output layers cannot be found, so
+            name them by path (`precision_rules({"head": "float32"})`).
+            `keras_mp.explain_precision` shows each layer's recipe or why
+            it has none. Defaults to None.
 
     Example:
 
@@ -435,13 +421,21 @@ def set_global_policy(policy, float32_islands=None):
     >>> keras_mp.set_global_policy("mixed_bfloat16", float32_islands="default")
     >>> keras.layers.Softmax().compute_dtype
     'float32'
+    >>> keras_mp.set_global_policy("mixed_bfloat16", fp8=True)
+    >>> layer = keras.layers.Dense(32)
+    >>> layer.build((None, 64))
+    >>> layer.dtype_policy.fp8.granularity
+    'tensorwise'
     >>> keras_mp.set_global_policy(None)
     """
     if policy is not None:
         policy = _checked(policy)
     if float32_islands is not None:
         float32_islands = _islands_resolver(float32_islands)
-    _set_global_policy_unchecked(policy, float32_islands)
+    # A float policy (`_checked`), so FP8 GEMMs always have a float
+    # compute dtype around them.
+    fp8 = recipe_module.get(fp8)
+    _set_global_policy_unchecked(policy, float32_islands, fp8)
 
 
 def _set_from_keras(policy, keras_setter):
@@ -452,17 +446,19 @@ def _set_from_keras(policy, keras_setter):
     except (TypeError, ValueError):
         keras_setter(policy)
         return
+    _check_no_fp8(converted)
     _set_global_policy_unchecked(converted)
 
 
 _keras_internals.install_global_policy_setter(_set_from_keras)
 
 
-def _set_global_policy_unchecked(policy, float32_islands=None):
-    global _global_policy, _global_float32_islands
+def _set_global_policy_unchecked(policy, float32_islands=None, fp8=None):
+    global _global_policy, _global_float32_islands, _global_fp8
     with _global_policy_lock:
         _global_policy = policy
         _global_float32_islands = float32_islands
+        _global_fp8 = fp8
         # Cleared rather than set: a policy cached in this thread's Keras state
         # would outlive a later set_global_policy made from another thread.
         _keras_internals.set_keras_thread_policy(None)

@@ -1,14 +1,17 @@
-"""Precision rules: float32 islands in a mixed model, and why each layer is so.
+"""Precision rules: float32 islands in a mixed model, and the FP8 rules.
 
-Imports from keras_mp only `_keras_internals`, `autocast`, `policy`; nothing
-above its floor (see ARCHITECTURE.md).
+Imports from keras_mp only `_keras_internals`, `autocast`, `fp8_layers`,
+`policy`; nothing above its floor (see ARCHITECTURE.md).
 
 Mixed precision is a per-layer decision. A few places lose too much in 16
 bits: a softmax over many classes, the logits a loss reads. tf.keras left
 them to a rule users had to remember ("put `dtype='float32'` on the last
 layer"). Here they are declared once, as rules from a layer class or a layer
 path pattern to a policy, applied to every model built while they are active,
-and `explain_precision` answers "why is this layer float32?".
+and `explain_precision` (in `explain.py`) answers "why is this layer
+float32?". The FP8 rules of `set_global_policy(..., fp8=recipe)` are
+decided here too, with `fp8_layers`, at the same three moments: a layer's
+creation, its build and its model's build.
 
 What Keras 3 already does, so no rule is needed for it:
 
@@ -30,6 +33,7 @@ import keras
 
 from keras_mp import _keras_internals
 from keras_mp import autocast
+from keras_mp import fp8_layers
 from keras_mp import policy as policy_module
 from keras_mp.policy import Policy
 
@@ -110,15 +114,17 @@ class PrecisionRules:
             Layers built from config with this map as `dtype` look their
             entry up by path.
         """
-        _check_model(model)
+        check_model(model)
         policy_map = keras.dtype_policies.DTypePolicyMap(
             default_policy=policy_module.layer_policy(model)
         )
-        outputs = _output_layers(model)
-        for layer in _walk(model, into_models=True):
-            rule = self._match(layer, _path(layer), id(layer) in outputs)
+        outputs = output_layers(model)
+        for layer in walk_layers(model, into_models=True):
+            rule = self._match(layer, layer_path(layer), id(layer) in outputs)
             if rule is not None and rule.policy is not None:
-                policy_map[_path(layer)] = _fitted(rule.policy, layer)
+                policy_map[layer_path(layer)] = fitted_policy(
+                    rule.policy, layer
+                )
         return policy_map
 
     def __repr__(self):
@@ -239,13 +245,13 @@ def precision_rules(rules=None, outputs=_UNSET, base=None, name=None):
         compiled.append(
             _Rule(_OUTPUTS, _to_rule_policy(outputs, "outputs"), name)
         )
-    base = _resolve(base, "base")
+    base = resolve_rules(base, "base")
     if base is not None:
         compiled.extend(base._rules)
     return PrecisionRules(compiled, name)
 
 
-def _resolve(value, argument):
+def resolve_rules(value, argument):
     if value is None or isinstance(value, PrecisionRules):
         return value
     if isinstance(value, str) and value == "default":
@@ -271,24 +277,24 @@ them in float32 already (see the module docstring).
 
 
 policy_module._install_islands_resolver(
-    lambda value: _resolve(value, "float32_islands")
+    lambda value: resolve_rules(value, "float32_islands")
 )
 
 
-def _path(layer):
+def layer_path(layer):
     # Keras sets `path` when a layer builds; layers without weights never
     # build and have none, so their name stands in.
     return layer.path if layer.path is not None else layer.name
 
 
-def _walk(layer, into_models):
+def walk_layers(layer, into_models):
     for sublayer in layer._flatten_layers(include_self=False, recursive=False):
         yield sublayer
         if into_models or not isinstance(sublayer, keras.Model):
-            yield from _walk(sublayer, into_models)
+            yield from walk_layers(sublayer, into_models)
 
 
-def _output_layers(model):
+def output_layers(model):
     """ids of the layers producing a functional model's outputs."""
     outputs = getattr(model, "_functional", model)
     if not isinstance(outputs, _keras_internals.Functional):
@@ -303,7 +309,7 @@ def _output_layers(model):
     return layers
 
 
-def _fitted(policy, layer):
+def fitted_policy(policy, layer):
     """`policy`, keeping the variable dtype of a layer that has weights."""
     current = policy_module.layer_policy(layer)
     if (
@@ -316,6 +322,7 @@ def _fitted(policy, layer):
         f"params={current.variable_dtype},compute={policy.compute_dtype},"
         f"output={policy.output_dtype}",
         loss_scale=policy.loss_scale,
+        fp8=policy.fp8,
     )
 
 
@@ -346,15 +353,37 @@ def _install_layer_init_hook():
             # What `explain_precision` names: only such a layer's policy
             # came from a dtype argument.
             self._keras_mp_dtype_argument = True
+            fp8_layers.check_layer(self)
         rules = policy_module._global_float32_islands
-        if explicit or rules is None:
+        recipe = policy_module._global_fp8
+        if (
+            explicit
+            and recipe is not None
+            and kwargs["dtype"] is policy_module._process_policy()
+            and fp8_layers.has_gemm(self)
+        ):
+            # Given the global policy object itself, as MultiHeadAttention
+            # gives its projections its own policy: the FP8 rules still
+            # decide (the float32 islands, as before, do not).
+            self._keras_mp_islands = None
+            self._keras_mp_global_policy = self.dtype_policy
+            fp8_layers.consider(self, recipe)
+            fp8_layers.decide(self)
+        if explicit or (rules is None and recipe is None):
             return
         self._keras_mp_islands = rules
         self._keras_mp_global_policy = self.dtype_policy
-        rule = rules._match(self, None, False, class_rules_only=True)
+        if recipe is not None:
+            fp8_layers.consider(self, recipe)
+        rule = None
+        if rules is not None:
+            rule = rules._match(self, None, False, class_rules_only=True)
         if rule is not None and rule.policy is not None:
             self.dtype_policy = rule.policy
             self._keras_mp_precision_rule = str(rule)
+            fp8_layers.check_layer(self)
+        ruled = rule is not None and rule.policy is not None
+        fp8_layers.decide(self, ruled=ruled)
 
     __init__._keras_mp_hook = True
     keras.layers.Layer.__init__ = __init__
@@ -362,24 +391,31 @@ def _install_layer_init_hook():
 
 def _apply_rules(model):
     """Applies the rules that were active when each layer was created."""
-    outputs = _output_layers(model)
-    for layer in _walk(model, into_models=False):
-        rules = getattr(layer, "_keras_mp_islands", None)
-        if rules is None or getattr(layer, "_keras_mp_rules_decided", False):
+    outputs = output_layers(model)
+    for layer in walk_layers(model, into_models=False):
+        if not hasattr(layer, "_keras_mp_global_policy") or getattr(
+            layer, "_keras_mp_rules_decided", False
+        ):
             continue
-        rule = rules._match(layer, _path(layer), id(layer) in outputs)
+        rules, is_output = layer._keras_mp_islands, id(layer) in outputs
+        rule = None
+        if rules is not None:
+            rule = rules._match(layer, layer_path(layer), is_output)
         if rule is None or rule.policy is None:
             policy = layer._keras_mp_global_policy
         else:
             policy = rule.policy
             _warn_if_overriding_a_map_entry(layer, rule)
         if policy is not layer.dtype_policy:
-            _set_policy(layer, _fitted(policy, layer))
+            _set_policy(layer, fitted_policy(policy, layer))
         layer._keras_mp_precision_rule = None if rule is None else str(rule)
+        ruled = rule is not None and rule.policy is not None
+        fp8_layers.decide(layer, is_output, ruled=ruled)
         # Once: a second model built on these layers (a feature extractor
         # whose outputs are inner layers) must not change the first one.
         layer._keras_mp_rules_decided = True
     model._keras_mp_rules_applied = True
+    fp8_layers.check_model(model)
 
 
 def _warn_if_overriding_a_map_entry(layer, rule):
@@ -388,10 +424,10 @@ def _warn_if_overriding_a_map_entry(layer, rule):
     policy_map = layer._keras_mp_global_policy
     if not isinstance(policy_map, keras.dtype_policies.DTypePolicyMap):
         return
-    path = _path(layer)
+    path = layer_path(layer)
     if not any(key == path or re.fullmatch(key, path) for key in policy_map):
         return
-    entry, ruled = policy_map[path], _fitted(rule.policy, layer)
+    entry, ruled = policy_map[path], fitted_policy(rule.policy, layer)
     dtypes = [
         (
             p.variable_dtype,
@@ -418,7 +454,7 @@ def _after_call(operation, outputs):
         isinstance(operation, keras.Model)
         and not isinstance(operation, _keras_internals.Functional)
         and not getattr(operation, "_keras_mp_rules_applied", False)
-        and getattr(operation, "_keras_mp_islands", None) is not None
+        and hasattr(operation, "_keras_mp_global_policy")
         and operation.built
     ):
         _apply_rules(operation)
@@ -430,105 +466,9 @@ _keras_internals.install_functional_init_hook(_apply_rules)
 _keras_internals.install_call_hook("precision_rules", _after_call)
 
 
-def _check_model(model):
+def check_model(model):
     if not isinstance(model, keras.layers.Layer):
         raise TypeError(
             "Expected a Keras model or layer. Received: "
             f"model={model!r} (of type {type(model).__name__})"
         )
-
-
-def explain_precision(model, rules=None, print_fn=print):
-    """Prints, per layer, its variable, compute and output dtypes and why.
-
-    The answer to "why is this layer float32?": the rule that gave each
-    layer its policy (see `precision_rules`), or where the policy came from
-    otherwise: the global policy at creation, or the layer's own `dtype`
-    (which is what layers reloaded from a saved model have: pass the rules
-    to name the one that matches them).
-
-    Args:
-        model: A Keras model (Sequential, functional or subclassed) or layer.
-        rules: A `PrecisionRules` (or `"default"`) to attribute the dtypes of
-            layers that no active rule set, such as layers of a reloaded
-            model. Defaults to None.
-        print_fn: Called with the table as one string; None prints nothing.
-            Defaults to `print`.
-
-    Returns:
-        A list with one dict per layer (depth first, as `model.summary`
-        nests): `layer` (its path, or its name for layers without weights),
-        `class_name`, `variable_dtype`, `compute_dtype`, `output_dtype` and
-        `rule`.
-
-    Example:
-
-    >>> policy = keras_mp.Policy("p=f32,c=bf16,o=f32")
-    >>> layer = keras.layers.Dense(2, dtype=policy)
-    >>> rows = keras_mp.explain_precision(layer, print_fn=None)
-    >>> [(row["compute_dtype"], row["output_dtype"]) for row in rows]
-    [('bfloat16', 'float32')]
-    """
-    _check_model(model)
-    rules = _resolve(rules, "rules")
-    layers = [model, *_walk(model, into_models=True)]
-    outputs = _output_layers(model)
-    rows = []
-    for layer in layers:
-        if isinstance(layer, keras.layers.InputLayer):
-            continue
-        policy = policy_module.layer_policy(layer)
-        output_dtype = getattr(policy, "output_dtype", policy.compute_dtype)
-        rows.append(
-            {
-                "layer": _path(layer),
-                "class_name": type(layer).__name__,
-                "variable_dtype": policy.variable_dtype,
-                "compute_dtype": policy.compute_dtype,
-                "output_dtype": output_dtype,
-                "rule": _reason(layer, policy, rules, id(layer) in outputs),
-            }
-        )
-    if print_fn is not None:
-        print_fn(_table(rows))
-    return rows
-
-
-def _reason(layer, policy, rules, is_output):
-    recorded = getattr(layer, "_keras_mp_precision_rule", None)
-    if recorded is not None:
-        return recorded
-    if rules is not None:
-        rule = rules._match(layer, _path(layer), is_output)
-        if rule is not None and rule.policy is not None:
-            expected = _fitted(rule.policy, layer)
-            if (
-                expected.compute_dtype == policy.compute_dtype
-                and expected.output_dtype
-                == getattr(policy, "output_dtype", policy.compute_dtype)
-            ):
-                return str(rule)
-    if getattr(layer, "_keras_mp_dtype_argument", False):
-        return "dtype argument"
-    return "global policy"
-
-
-def _table(rows):
-    header = {
-        "layer": "layer",
-        "class_name": "class",
-        "variable_dtype": "variable",
-        "compute_dtype": "compute",
-        "output_dtype": "output",
-        "rule": "rule",
-    }
-    keys = list(header)
-    widths = {
-        key: max(len(str(row[key])) for row in [header, *rows]) for key in keys
-    }
-    lines = []
-    for row in [header, *rows]:
-        cells = [str(row[key]).ljust(widths[key]) for key in keys]
-        lines.append("  ".join(cells).rstrip())
-    lines.insert(1, "  ".join("-" * widths[key] for key in keys))
-    return "\n".join(lines)

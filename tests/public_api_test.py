@@ -136,6 +136,8 @@ def _docstring_examples():
         "keras_mp.loss_scale",
         "keras_mp.autocast",
         "keras_mp.precision",
+        "keras_mp.explain",
+        "keras_mp.fp8.rules",
     }
     examples = []
     for qualified, value in _exported():

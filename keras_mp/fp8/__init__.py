@@ -4,7 +4,20 @@
 `keras_mp.backend` and floor 1 (see ARCHITECTURE.md).
 """
 
+from keras_mp.fp8.dot import dot
+from keras_mp.fp8.einsum import einsum
+from keras_mp.fp8.quantize import quantize
 from keras_mp.fp8.recipe import DEFAULT_RECIPE
 from keras_mp.fp8.recipe import Recipe
+from keras_mp.fp8.rules import DEFAULT_RULES
+from keras_mp.fp8.rules import Rules
 
-__all__ = ["DEFAULT_RECIPE", "Recipe"]
+__all__ = [
+    "DEFAULT_RECIPE",
+    "DEFAULT_RULES",
+    "Recipe",
+    "Rules",
+    "dot",
+    "einsum",
+    "quantize",
+]

@@ -1,0 +1,246 @@
+"""`dot`: `x @ kernel` whose three GEMMs all take FP8 operands.
+
+The forward product, the input gradient `dx = g @ kernel^T` and the kernel
+gradient `dw = x^T @ g` each quantize their two operands (`quantize.py`),
+multiply the codes with float32 accumulation (`keras_mp.backend.fp8`), and
+multiply by the scales after: per tensor, per row of the contracted axis,
+or, for DeepSeek-V3's blocks, per 128-long chunk of the contracted axis,
+each chunk's partial product times its own scales before the chunks are
+summed. Scales are powers of two, so multiplying by them is exact and a
+loss scale passes through the backward GEMMs without changing a code.
+
+Imports only `keras_mp.backend` and its `keras_mp.fp8` siblings.
+"""
+
+import keras
+from keras import ops
+
+from keras_mp.backend import fp8 as fp8_backend
+from keras_mp.fp8 import recipe as recipe_module
+from keras_mp.fp8.quantize import check_float
+from keras_mp.fp8.quantize import quantize_reduced
+from keras_mp.fp8.recipe import BLOCK_SIZE
+
+
+def _tensorwise(x, w, recipe):
+    """One scale per tensor; the forward codes serve the backward GEMMs."""
+    forward, backward, margin = _formats(recipe)
+    cx, sx = quantize_reduced(x, forward, None, margin)
+    cw, sw = quantize_reduced(w, forward, None, margin)
+    out = fp8_backend.einsum_float32("mk,kn->mn", cx, cw) * sx * sw
+
+    def gradients(g):
+        cg, sg = quantize_reduced(g, backward, None, margin)
+        dx = fp8_backend.einsum_float32("mn,kn->mk", cg, cw) * sg * sw
+        dw = fp8_backend.einsum_float32("mk,mn->kn", cx, cg) * sx * sg
+        return dx, dw
+
+    return out, gradients
+
+
+def _rowwise(x, w, recipe):
+    """One scale per row of each GEMM's contracted axis: each operand is
+    quantized again for each GEMM it enters along another axis."""
+    forward, backward, margin = _formats(recipe)
+    cx, sx = quantize_reduced(x, forward, 1, margin)  # (M, 1)
+    cw, sw = quantize_reduced(w, forward, 0, margin)  # (1, N)
+    out = fp8_backend.einsum_float32("mk,kn->mn", cx, cw) * sx * sw
+
+    def gradients(g):
+        cg, sg = quantize_reduced(g, backward, 1, margin)  # (M, 1)
+        cw_n, sw_n = quantize_reduced(w, forward, 1, margin)  # (K, 1)
+        dx = fp8_backend.einsum_float32("mn,kn->mk", cg, cw_n)
+        dx = dx * sg * ops.transpose(sw_n)
+        cx_m, sx_m = quantize_reduced(x, forward, 0, margin)  # (1, K)
+        cg_m, sg_m = quantize_reduced(g, backward, 0, margin)  # (1, N)
+        dw = fp8_backend.einsum_float32("mk,mn->kn", cx_m, cg_m)
+        dw = dw * ops.transpose(sx_m) * sg_m
+        return dx, dw
+
+    return out, gradients
+
+
+def _pad_rows(t):
+    """`t` with zero rows appended up to a multiple of `BLOCK_SIZE`: a
+    zero changes no tile's amax and no sum."""
+    rows = ops.shape(t)[0]
+    if isinstance(rows, int):
+        pad = -rows % BLOCK_SIZE
+        return ops.pad(t, ((0, pad), (0, 0))) if pad else t
+    pad = -rows % BLOCK_SIZE
+    return ops.concatenate([t, ops.zeros((pad, t.shape[1]), t.dtype)], 0)
+
+
+def _block(x, w, recipe):
+    """DeepSeek-V3's tiles: 1x128 along the contracted axis for
+    activations and output gradients (128x1, 128 tokens, for the kernel
+    gradient), 128x128 for the kernel. Each 128-chunk of the contracted
+    axis gives a partial product, multiplied by its own scales, and the
+    chunks are summed in float32."""
+    forward, backward, margin = _formats(recipe)
+    k, n = w.shape
+    tiles_k, tiles_n = k // BLOCK_SIZE, n // BLOCK_SIZE
+    cx, sx = quantize_reduced(
+        ops.reshape(x, (-1, tiles_k, BLOCK_SIZE)), forward, 2, margin
+    )  # sx: (M, tiles_k, 1)
+    cw, sw = quantize_reduced(
+        ops.reshape(w, (tiles_k, BLOCK_SIZE, tiles_n, BLOCK_SIZE)),
+        forward,
+        (1, 3),
+        margin,
+    )  # sw: (tiles_k, 1, tiles_n, 1)
+    partial = fp8_backend.einsum_float32("mtb,tbjc->tmjc", cx, cw)
+    sx_t = ops.expand_dims(ops.transpose(sx, (1, 0, 2)), -1)
+    out = ops.reshape(ops.sum(partial * sx_t * sw, axis=0), (-1, n))
+
+    def gradients(g):
+        cg, sg = quantize_reduced(
+            ops.reshape(g, (-1, tiles_n, BLOCK_SIZE)), backward, 2, margin
+        )  # sg: (M, tiles_n, 1)
+        partial = fp8_backend.einsum_float32("mjc,tbjc->jmtb", cg, cw)
+        sg_t = ops.expand_dims(ops.transpose(sg, (1, 0, 2)), -1)
+        sw_t = ops.transpose(sw, (2, 1, 0, 3))
+        dx = ops.reshape(ops.sum(partial * sg_t * sw_t, axis=0), (-1, k))
+        # The kernel gradient contracts the tokens: tiles of 128 tokens.
+        cx_m, sx_m = quantize_reduced(
+            ops.reshape(_pad_rows(x), (-1, BLOCK_SIZE, k)), forward, 1, margin
+        )  # sx_m: (tiles_m, 1, K)
+        cg_m, sg_m = quantize_reduced(
+            ops.reshape(_pad_rows(g), (-1, BLOCK_SIZE, n)), backward, 1, margin
+        )  # sg_m: (tiles_m, 1, N)
+        partial = fp8_backend.einsum_float32("sbk,sbn->skn", cx_m, cg_m)
+        sx_m = ops.transpose(sx_m, (0, 2, 1))
+        dw = ops.sum(partial * sx_m * sg_m, axis=0)
+        return dx, dw
+
+    return out, gradients
+
+
+_GRANULARITIES = {
+    "tensorwise": _tensorwise,
+    "rowwise": _rowwise,
+    "block": _block,
+}
+
+
+def _formats(recipe):
+    return recipe.forward_format, recipe.backward_format, recipe.margin
+
+
+def _check_operands(x, kernel, recipe, output_dtype):
+    if recipe.scaling != "current":
+        raise ValueError(
+            "`fp8.dot` takes its scales from the operands of this step "
+            '(scaling="current"); delayed scales live in an FP8 layer\'s '
+            f"state. Received: recipe={recipe!r}. Use "
+            'keras_mp.fp8.Recipe(scaling="current", ...).'
+        )
+    x_dtype = check_float("x", x)
+    kernel_dtype = check_float("kernel", kernel)
+    if len(kernel.shape) != 2 or len(x.shape) < 1:
+        raise ValueError(
+            "`fp8.dot` multiplies x[..., K] by a 2-D kernel[K, N]. Received: "
+            f"x.shape={tuple(x.shape)}, kernel.shape={tuple(kernel.shape)}. "
+            "Use `fp8.einsum` for other contractions."
+        )
+    k, n = kernel.shape
+    if x.shape[-1] is not None and k is not None and x.shape[-1] != k:
+        raise ValueError(
+            "The last dimension of `x` is the first of `kernel`. Received: "
+            f"x.shape={tuple(x.shape)}, kernel.shape={tuple(kernel.shape)}"
+        )
+    if recipe.granularity == "block" and any(
+        d is None or d % BLOCK_SIZE for d in (k, n)
+    ):
+        raise ValueError(
+            f'granularity="block" tiles the kernel in {BLOCK_SIZE}x'
+            f"{BLOCK_SIZE} blocks, so both of its dimensions must be "
+            f"multiples of {BLOCK_SIZE}. Received: kernel.shape={(k, n)}. "
+            'Use keras_mp.fp8.Recipe(granularity="rowwise"), or pad the '
+            f"kernel's dimensions to multiples of {BLOCK_SIZE}."
+        )
+    if output_dtype is None:
+        return x_dtype, kernel_dtype, x_dtype
+    output_dtype = keras.backend.standardize_dtype(output_dtype)
+    if output_dtype not in ("float16", "bfloat16", "float32", "float64"):
+        raise ValueError(
+            "`output_dtype` is a floating point dtype. Received: "
+            f"output_dtype={output_dtype!r}. Pass e.g. 'float32', or None "
+            "for the dtype of `x`."
+        )
+    return x_dtype, kernel_dtype, output_dtype
+
+
+def dot(x, kernel, recipe=None, output_dtype=None):
+    """`x @ kernel` with FP8 operands in the forward and backward GEMMs.
+
+    The forward product quantizes `x` and `kernel` to E4M3; the gradient
+    of the output is quantized to the recipe's backward format (E5M2 for
+    `formats="hybrid"`). The input gradient `g @ kernel^T` and the kernel
+    gradient `x^T @ g` each take their operands quantized along their own
+    contracted axis (`"rowwise"`, `"block"`); `"tensorwise"` reuses the
+    forward codes. Every product of codes is exact and accumulated in
+    float32; the power-of-two scales multiply the float32 result (per
+    128-chunk of the contracted axis for `"block"`, before the chunks are
+    summed). Each scale comes from this call's operands (`"current"`
+    scaling): no state. A non-finite value in `x`, `kernel` or the output
+    gradient keeps its GEMM's result non-finite, so a loss-scale skip
+    sees it.
+
+    Args:
+        x: A floating point tensor `[..., K]`.
+        kernel: A floating point tensor `[K, N]`. With
+            `granularity="block"`, `K` and `N` are multiples of 128.
+        recipe: A `keras_mp.fp8.Recipe` with `scaling="current"`, `True`
+            or a config dict. Defaults to `None`, the default recipe
+            (tensorwise, hybrid).
+        output_dtype: The dtype of the result. Defaults to `None`, the
+            dtype of `x`. Gradients take the dtypes of `x` and `kernel`.
+
+    Returns:
+        A tensor `[..., N]`.
+
+    Example:
+
+    >>> x = np.ones((2, 16), "float32")
+    >>> kernel = np.full((16, 4), 0.5, "float32")
+    >>> y = keras_mp.fp8.dot(x, kernel)
+    >>> keras.ops.convert_to_numpy(y).tolist()[0]
+    [8.0, 8.0, 8.0, 8.0]
+    """
+    if recipe is None:
+        recipe = recipe_module.DEFAULT_RECIPE
+    recipe = recipe_module.get(recipe)
+    if recipe is None:
+        raise TypeError(
+            "`fp8.dot` needs a recipe. Received: recipe=False. Pass a "
+            "`keras_mp.fp8.Recipe`, or None for the default one."
+        )
+    x = fp8_backend.read_tensor(x)
+    kernel = fp8_backend.read_tensor(kernel)
+    x_dtype, kernel_dtype, output_dtype = _check_operands(
+        x, kernel, recipe, output_dtype
+    )
+    k, n = kernel.shape
+    run = _GRANULARITIES[recipe.granularity]
+
+    @ops.custom_gradient
+    def fp8_dot(x, kernel):
+        x_shape = ops.shape(x)
+        x2 = ops.reshape(ops.cast(x, "float32"), (-1, k))
+        out, gradients = run(x2, ops.cast(kernel, "float32"), recipe)
+        out = ops.reshape(out, (*x_shape[:-1], n))
+
+        def grad(*args, upstream=None):
+            # TensorFlow and JAX pass the output gradient alone; PyTorch
+            # passes the inputs, and the output gradient by name.
+            if upstream is None:
+                (upstream,) = args
+            g = ops.reshape(ops.cast(upstream, "float32"), (-1, n))
+            dx, dw = gradients(g)
+            dx = ops.cast(ops.reshape(dx, x_shape), x_dtype)
+            return dx, ops.cast(dw, kernel_dtype)
+
+        return ops.cast(out, output_dtype), grad
+
+    return fp8_dot(x, kernel)

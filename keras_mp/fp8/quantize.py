@@ -1,0 +1,265 @@
+"""`quantize`: a tensor as FP8 codes and float32 power-of-two scales.
+
+The scale of a set of values is the smallest power of two `s` with
+`amax / s <= fmax / 2**margin`, where `amax` is their largest absolute
+value and `fmax` the format's largest finite value: Transformer Engine's
+and DeepSeek-V3's power-of-two convention, `s = 2**ceil(log2(amax /
+(fmax / 2**margin)))`, computed exactly from the bits of `amax` (no
+`log2`, whose float32 result is not exact on every backend). Dividing by
+a power of two is exact, so the only rounding is the cast to FP8, and a
+loss scale of `2**k` moves every scale by `2**k` and changes no code.
+
+Imports only `keras_mp.fp8.recipe`.
+"""
+
+import keras
+from keras import ops
+
+from keras_mp.fp8.recipe import BLOCK_SIZE
+
+# Format name -> (Keras dtype of the codes, largest finite value).
+FORMATS = {
+    "e4m3": ("float8_e4m3fn", 448.0),
+    "e5m2": ("float8_e5m2", 57344.0),
+}
+GRANULARITIES = ("tensorwise", "rowwise", "block")
+_FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+# Biased float32 exponents of the smallest and largest normal powers of two.
+_MIN_EXPONENT = 1
+_MAX_EXPONENT = 254
+
+
+def check_format(fmt):
+    if not isinstance(fmt, str) or fmt not in FORMATS:
+        raise ValueError(
+            f"`fmt` is one of {list(FORMATS)}. Received: fmt={fmt!r}"
+        )
+    return FORMATS[fmt]
+
+
+def check_float(name, x):
+    dtype = keras.backend.standardize_dtype(x.dtype)
+    if dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"`{name}` must be a floating point tensor ({', '.join(_FLOAT_DTYPES)}"
+            f"). Received: {name} of dtype {dtype}. Cast it first, e.g. "
+            f"`keras.ops.cast({name}, 'float32')`."
+        )
+    return dtype
+
+
+def _threshold(fmt, margin):
+    """`(exponent, mantissa)` of `fmax / 2**margin` as float32 bits: the
+    unbiased exponent and the 23 mantissa bits."""
+    target = FORMATS[fmt][1] / 2.0**margin
+    exponent = 0
+    while target >= 2.0 ** (exponent + 1):
+        exponent += 1
+    while target < 2.0**exponent:
+        exponent -= 1
+    mantissa = int((target / 2.0**exponent - 1.0) * 2**23)
+    return exponent, mantissa
+
+
+def scale_from_amax(amax, fmt="e4m3", margin=0):
+    """The power-of-two scale of values whose largest magnitude is `amax`.
+
+    The smallest power of two `s` with `amax / s <= fmax / 2**margin`;
+    `1` where `amax` is 0, the smallest normal float32 (`2**-126`) where
+    `amax` is tinier than that allows, and `amax` itself where it is inf or
+    NaN (so a non-finite tensor keeps a non-finite scale).
+
+    Args:
+        amax: A float32 tensor of non-negative values.
+        fmt: `"e4m3"` or `"e5m2"`. Defaults to `"e4m3"`.
+        margin: Headroom in powers of two. Defaults to `0`.
+
+    Returns:
+        A float32 tensor of the shape of `amax`.
+    """
+    check_format(fmt)
+    amax = ops.cast(amax, "float32")
+    exponent, mantissa = _threshold(fmt, margin)
+    bits = ops.view(amax, "int32")
+    biased = ops.right_shift(bits, 23)
+    above = ops.cast(ops.bitwise_and(bits, 0x7FFFFF) > mantissa, "int32")
+    biased = ops.clip(biased - exponent + above, _MIN_EXPONENT, _MAX_EXPONENT)
+    scale = ops.view(ops.left_shift(biased, 23), "float32")
+    scale = ops.where(amax == 0.0, ops.ones_like(scale), scale)
+    return ops.where(ops.isfinite(amax), scale, amax)
+
+
+def encode(y, fmt):
+    """FP8 codes of float32 values already divided by their scale.
+
+    Finite values beyond the format's range are clipped to `±fmax` here,
+    because the native casts disagree (NaN on JAX and TensorFlow,
+    saturation on PyTorch). Inf and NaN are never clipped: E5M2 keeps inf,
+    E4M3 (which has no inf) turns it into NaN, as `ml_dtypes` does.
+    """
+    dtype, fmax = FORMATS[fmt]
+    overflow = ops.logical_and(ops.abs(y) > fmax, ops.isfinite(y))
+    y = ops.where(overflow, ops.where(y > 0, fmax, -fmax), y)
+    if fmt == "e4m3":
+        y = ops.where(ops.isinf(y), float("nan"), y)
+    return ops.cast(y, dtype)
+
+
+def quantize_reduced(x, fmt, axes, margin=0, scale=None):
+    """Codes of float32 `x` and scales from its amax over `axes`.
+
+    Args:
+        x: A float32 tensor.
+        fmt: `"e4m3"` or `"e5m2"`.
+        axes: The axes each scale covers (`None`: all of them).
+        margin: Headroom in powers of two.
+        scale: Scales to use instead (broadcastable to `x`), or None.
+
+    Returns:
+        `(codes, scale)`, the scale with `axes` kept as size-1 dimensions.
+    """
+    if scale is None:
+        # A NaN counts as inf: XLA's CPU max reductions drop NaNs in large
+        # tensors (jax 0.10), and either way the scale must be non-finite.
+        magnitude = ops.where(ops.isnan(x), float("inf"), ops.abs(x))
+        amax = ops.max(magnitude, axis=axes, keepdims=True)
+        scale = scale_from_amax(amax, fmt, margin)
+    return encode(x / scale, fmt), scale
+
+
+def _static_size(x, axis, what):
+    size = x.shape[axis]
+    if size is None or size % BLOCK_SIZE:
+        raise ValueError(
+            f'granularity="block" tiles {what} in blocks of {BLOCK_SIZE}, so '
+            f"its size must be a known multiple of {BLOCK_SIZE}. Received: "
+            f'x.shape={tuple(x.shape)}. Use granularity="rowwise", or pad '
+            f"that dimension to a multiple of {BLOCK_SIZE} with zeros."
+        )
+    return size
+
+
+def quantize(
+    x,
+    fmt="e4m3",
+    granularity="tensorwise",
+    scale=None,
+    axis=-1,
+    margin=0,
+    block_shape=None,
+):
+    """Quantizes `x` to FP8 codes and float32 power-of-two scales.
+
+    Each scale is the smallest power of two `s` with
+    `amax / s <= fmax / 2**margin` (`amax`: the largest absolute value it
+    covers; `fmax`: 448 for E4M3, 57344 for E5M2), i.e.
+    `s = 2**ceil(log2(amax / (fmax / 2**margin)))` as Transformer Engine
+    and DeepSeek-V3 choose it; `s = 1` where `amax` is 0. The codes are
+    `x / s` cast to FP8, finite values beyond `±fmax` clipped first. Inf
+    and NaN are never clipped into range: a tensor holding one gets a
+    infinite scale (NaN counts as inf in the amax), so an overflowing
+    gradient stays non-finite for a loss-scale skip to see.
+
+    Args:
+        x: A floating point tensor (float16, bfloat16, float32, float64);
+            quantized in float32.
+        fmt: `"e4m3"` (`float8_e4m3fn`, largest value 448) or `"e5m2"`
+            (`float8_e5m2`, largest value 57344). Defaults to `"e4m3"`.
+        granularity: `"tensorwise"` (one scale, shape `()`), `"rowwise"`
+            (one scale per slice along `axis`: the amax is reduced over
+            `axis`, which stays as a size-1 dimension), or `"block"`
+            (one scale per tile of `BLOCK_SIZE = 128` consecutive values
+            along `axis`, DeepSeek-V3's 1x128 tiles of activations and
+            gradients: the scale has `x`'s shape with `axis` divided by
+            128). Defaults to `"tensorwise"`.
+        scale: Scales to use instead of computing them from `x` (e.g.
+            the delayed scales of a layer), in the shape this function
+            returns for `granularity`. Defaults to `None`.
+        axis: The contracted axis, for `"rowwise"` and `"block"`.
+            Defaults to `-1`.
+        margin: Headroom below `fmax`, in powers of two. Defaults to `0`.
+        block_shape: With `granularity="block"` and a 2-D `x`, tiles of
+            this shape instead: `(128, 128)` gives DeepSeek-V3's kernel
+            tiles, and a scale of shape
+            `(rows / 128, columns / 128)`; `axis` is then unused.
+            Defaults to `None` (1x128 tiles along `axis`).
+
+    Returns:
+        `(codes, scale)`: codes of `x`'s shape in the FP8 dtype, and a
+        float32 scale with `x ≈ codes * scale`, broadcasting for
+        `"tensorwise"` and `"rowwise"`; for `"block"`, each scale repeated
+        over its tile (`keras.ops.repeat(scale, 128, axis)`, or along both
+        axes with `block_shape`).
+
+    Example:
+
+    >>> codes, scale = keras_mp.fp8.quantize(np.array([0.5, -3.0, 96.0]))
+    >>> float(scale)
+    0.25
+    >>> keras.ops.convert_to_numpy(keras.ops.cast(codes, "float32")).tolist()
+    [2.0, -12.0, 384.0]
+    """
+    check_format(fmt)
+    if not isinstance(granularity, str) or granularity not in GRANULARITIES:
+        raise ValueError(
+            f"`granularity` is one of {list(GRANULARITIES)}. Received: "
+            f"granularity={granularity!r}"
+        )
+    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+        raise ValueError(
+            f"`margin` is an integer >= 0. Received: margin={margin!r}"
+        )
+    x = ops.convert_to_tensor(x)
+    check_float("x", x)
+    x32 = ops.cast(x, "float32")
+    if scale is not None:
+        scale = ops.cast(ops.convert_to_tensor(scale), "float32")
+    if granularity == "tensorwise":
+        codes, scale_kept = quantize_reduced(x32, fmt, None, margin, scale)
+        return codes, ops.reshape(scale_kept, ())
+    ndim = len(x.shape)
+    if block_shape is not None:
+        return _quantize_2d_blocks(x, x32, fmt, margin, scale, block_shape)
+    if not isinstance(axis, int) or not -ndim <= axis < ndim:
+        raise ValueError(
+            f"`axis` is an axis of `x`, in [{-ndim}, {ndim}). Received: "
+            f"axis={axis!r} for x.shape={tuple(x.shape)}"
+        )
+    axis %= ndim
+    if granularity == "rowwise":
+        return quantize_reduced(x32, fmt, axis, margin, scale)
+    size = _static_size(x, axis, "`x` along `axis`")
+    shape = ops.shape(x32)
+    tiled = (*shape[:axis], size // BLOCK_SIZE, BLOCK_SIZE, *shape[axis + 1 :])
+    if scale is not None:
+        scale = ops.expand_dims(scale, axis + 1)
+    codes, scale = quantize_reduced(
+        ops.reshape(x32, tiled), fmt, axis + 1, margin, scale
+    )
+    return ops.reshape(codes, shape), ops.squeeze(scale, axis + 1)
+
+
+def _quantize_2d_blocks(x, x32, fmt, margin, scale, block_shape):
+    if (
+        len(x.shape) != 2
+        or not isinstance(block_shape, (tuple, list))
+        or tuple(block_shape) != (BLOCK_SIZE, BLOCK_SIZE)
+    ):
+        raise ValueError(
+            f"`block_shape` is ({BLOCK_SIZE}, {BLOCK_SIZE}) for a 2-D "
+            'tensor with granularity="block" (or None for 1x'
+            f"{BLOCK_SIZE} tiles along `axis`). Received: "
+            f"block_shape={block_shape!r} for x.shape={tuple(x.shape)}"
+        )
+    rows = _static_size(x, 0, "both dimensions of a 2-D `x`")
+    columns = _static_size(x, 1, "both dimensions of a 2-D `x`")
+    tiled = (rows // BLOCK_SIZE, BLOCK_SIZE, columns // BLOCK_SIZE, BLOCK_SIZE)
+    if scale is not None:
+        scale = ops.reshape(scale, (tiled[0], 1, tiled[2], 1))
+    codes, scale = quantize_reduced(
+        ops.reshape(x32, tiled), fmt, (1, 3), margin, scale
+    )
+    return ops.reshape(codes, (rows, columns)), ops.reshape(
+        scale, (tiled[0], tiled[2])
+    )

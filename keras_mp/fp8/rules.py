@@ -1,0 +1,175 @@
+"""`DEFAULT_RULES`: which layers compute their GEMMs in FP8, and which cannot.
+
+`keras_mp.set_global_policy(policy, fp8=recipe)` gives the recipe to the
+layers these rules select; the checks here also refuse a recipe given to a
+layer that has no GEMM, or a `"block"` recipe given to a GEMM whose
+dimensions do not divide into its tiles. Only Keras's public API is used
+here; `keras_mp.precision` (floor 4) applies the rules to a model's layers.
+Imports nothing from keras_mp but `fp8.recipe`.
+"""
+
+import math
+import numbers
+
+import keras
+
+from keras_mp.fp8 import recipe as recipe_module
+
+
+def has_gemm(layer):
+    """Whether `layer` runs its GEMM through keras_mp's FP8 path.
+
+    That is a `keras.layers.Dense` or `keras.layers.EinsumDense` whose
+    `call` is the class's own: a subclass that replaces `call` computes
+    what it likes, which keras_mp cannot route.
+    """
+    return any(
+        isinstance(layer, cls) and type(layer).call is cls.call
+        for cls in (keras.layers.Dense, keras.layers.EinsumDense)
+    )
+
+
+def gemm_dims(layer):
+    """`(K, N)` of a built layer's GEMM: contracted and output sizes.
+
+    A Dense kernel is `(K, N)`. An EinsumDense kernel's axes that its
+    input shares are contracted (their product is K), the others are
+    outputs (their product is N), as the GEMM that computes the einsum
+    sees them.
+    """
+    shape = tuple(int(size) for size in layer.kernel.shape)
+    if isinstance(layer, keras.layers.EinsumDense):
+        inputs, _, rest = layer.equation.partition(",")
+        kernel_axes = rest.partition("->")[0]
+        contracted = [s for a, s in zip(kernel_axes, shape) if a in inputs]
+        outputs = [s for a, s in zip(kernel_axes, shape) if a not in inputs]
+        return math.prod(contracted), math.prod(outputs)
+    return shape[0], shape[-1]
+
+
+def _dims_text(dims):
+    return "x".join(str(size) for size in dims)
+
+
+class Rules:
+    """Which layers `set_global_policy(..., fp8=recipe)` gives FP8 GEMMs.
+
+    Every `Dense` and `EinsumDense` (`MultiHeadAttention`'s projections
+    included) whose GEMM dimensions are multiples of `multiple`
+    (`block_multiple` for a `"block"` recipe), except the layers that
+    produce a Sequential or functional model's outputs: the logits, which
+    a loss reads, keep the compute dtype, as embeddings do (an `Embedding`
+    has no GEMM). FP8 tensor cores and `torch._scaled_mm` need dimensions
+    that are multiples of 16; a smaller or ragged GEMM gains nothing.
+
+    Args:
+        multiple: The GEMM's K and N must be multiples of it. Defaults to
+            `16`.
+        block_multiple: The same for a `"block"` recipe, whose kernel
+            tiles are 128x128. Defaults to `128`.
+
+    Example:
+
+    >>> rules = keras_mp.fp8.DEFAULT_RULES
+    >>> layer = keras.layers.Dense(3)
+    >>> layer.build((None, 10))
+    >>> rules.skip_reason(layer, keras_mp.fp8.DEFAULT_RECIPE)
+    'dims 10x3 not multiples of 16'
+    """
+
+    def __init__(self, multiple=16, block_multiple=128):
+        for name, value in (
+            ("multiple", multiple),
+            ("block_multiple", block_multiple),
+        ):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Integral)
+                or value < 1
+            ):
+                raise ValueError(
+                    f"`{name}` is an integer >= 1. Received: {name}={value!r}"
+                )
+        self._multiple = int(multiple)
+        self._block_multiple = int(block_multiple)
+
+    multiple = property(lambda self: self._multiple)
+    block_multiple = property(lambda self: self._block_multiple)
+
+    def required_multiple(self, recipe):
+        """The multiple a GEMM's dimensions need under `recipe`."""
+        if recipe.granularity == "block":
+            return self._block_multiple
+        return self._multiple
+
+    def skip_reason(self, layer, recipe, is_output=False):
+        """Why these rules give `layer` no FP8 recipe, or None if they do.
+
+        Args:
+            layer: A Keras layer. Its dimensions are checked once built.
+            recipe: The `Recipe` the rules would give it.
+            is_output: Whether the layer produces the model's outputs.
+                Defaults to `False`.
+
+        Returns:
+            None, or a short reason: `"embedding"`, `"no GEMM"`,
+            `"output layer"`, `"dims 10x3 not multiples of 16"`.
+        """
+        if isinstance(layer, keras.layers.Embedding):
+            return "embedding"
+        if not has_gemm(layer):
+            return "no GEMM"
+        if is_output:
+            return "output layer"
+        if layer.built:
+            dims = gemm_dims(layer)
+            multiple = self.required_multiple(recipe)
+            if any(size % multiple for size in dims):
+                return f"dims {_dims_text(dims)} not multiples of {multiple}"
+        return None
+
+    def __repr__(self):
+        return (
+            f"Rules(multiple={self._multiple}, "
+            f"block_multiple={self._block_multiple})"
+        )
+
+
+DEFAULT_RULES = Rules()
+
+
+def check_layer(layer, recipe):
+    """Raises ValueError when `layer` cannot take `recipe` as it was asked.
+
+    A recipe given explicitly (a `dtype=` argument, a precision rule, a
+    `DTypePolicyMap` entry) to a layer without a GEMM, or a `"block"`
+    recipe given to a built layer whose GEMM dimensions are not multiples
+    of 128, is an error: the default rules skip such layers instead.
+    """
+    recipe = recipe_module.get(recipe)
+    if recipe is None:
+        return
+    name = type(layer).__name__
+    if not has_gemm(layer):
+        raise ValueError(
+            f"Layer {layer.name!r} ({name}) has no GEMM that FP8 could run: "
+            "only Dense and EinsumDense layers (with their own `call`) take "
+            f"a policy with an FP8 recipe. Received: fp8={recipe!r}. Give "
+            "this layer a policy without `fp8`, e.g. select "
+            "`(keras.layers.Dense, keras.layers.EinsumDense)` in "
+            "`keras_mp.precision_rules`, or use `keras_mp.set_global_policy("
+            "policy, fp8=recipe)`, whose rules pick the layers."
+        )
+    if recipe.granularity != "block" or not layer.built:
+        return
+    dims = gemm_dims(layer)
+    multiple = DEFAULT_RULES.block_multiple
+    if any(size % multiple for size in dims):
+        raise ValueError(
+            f"Layer {layer.name!r} ({name}) has GEMM dimensions "
+            f"{_dims_text(dims)}, not multiples of {multiple}, so its "
+            "kernel does not divide into the 128x128 tiles of "
+            f"granularity='block'. Received: fp8={recipe!r}. Use "
+            "granularity='rowwise' or 'tensorwise' for this layer, or "
+            f"make its dimensions multiples of {multiple}."
+        )

@@ -1,0 +1,232 @@
+"""FP8 GEMMs in Keras's `Dense` and `EinsumDense`, and the default FP8 rules
+applied to each layer.
+
+Imports from keras_mp only `_keras_internals`, `fp8`, `policy`; nothing
+above its floor (see ARCHITECTURE.md). `precision.py` calls `decide` when
+it applies precision rules.
+
+A `Dense` or `EinsumDense` whose policy (its own, or its entry in a
+`DTypePolicyMap`) is a `keras_mp.Policy` with an `fp8` recipe computes its
+GEMM with `keras_mp.fp8.dot` / `keras_mp.fp8.einsum`, then adds the bias and
+applies the activation in the compute dtype as Keras does. Everything else,
+Keras's own quantized layers included (Keras routes them to
+`quantized_call`, never to `call`), runs Keras's `call` unchanged. The hooks
+are installed once, on the classes, when keras_mp is imported.
+"""
+
+import functools
+
+import keras
+
+from keras_mp import _keras_internals
+from keras_mp import fp8
+from keras_mp import policy as policy_module
+from keras_mp.fp8 import rules as rules_module
+from keras_mp.policy import Policy
+
+has_gemm = rules_module.has_gemm
+
+
+def layer_recipe(layer):
+    """The FP8 recipe of `layer`'s policy (its map entry), or None."""
+    policy = policy_module.layer_policy(layer)
+    return policy.fp8 if isinstance(policy, Policy) else None
+
+
+def with_recipe(policy, recipe):
+    """`policy` as a keras_mp `Policy` whose GEMMs follow `recipe`."""
+    loss_scale = policy.loss_scale if isinstance(policy, Policy) else "auto"
+    return Policy(policy.name, loss_scale=loss_scale, fp8=recipe)
+
+
+def consider(layer, recipe):
+    """Marks a layer created under `set_global_policy(..., fp8=recipe)`.
+
+    The default rules then decide for it (`decide`) when it is created,
+    when it builds (its dimensions are known) and when its model is built
+    (its output layers are known).
+    """
+    layer._keras_mp_fp8_rules_recipe = recipe
+
+
+def decide(layer, is_output=None, ruled=False):
+    """Gives a considered layer the default rules' recipe, or takes it back.
+
+    Args:
+        layer: A layer `consider` marked; others are left alone.
+        is_output: Whether it produces its model's outputs; None keeps
+            what the last decision knew. Defaults to None.
+        ruled: A precision rule gave the layer its policy, which wins over
+            the FP8 rules. Defaults to `False`.
+    """
+    recipe = getattr(layer, "_keras_mp_fp8_rules_recipe", None)
+    if recipe is None:
+        return
+    if ruled:
+        layer._keras_mp_fp8_rules_recipe = None
+        layer._keras_mp_fp8_reason = "precision rule"
+        return
+    if not rules_module.has_gemm(layer):
+        return
+    if is_output is None:
+        is_output = getattr(layer, "_keras_mp_fp8_output", False)
+    layer._keras_mp_fp8_output = is_output
+    base = entry = layer._keras_mp_global_policy
+    if isinstance(base, keras.dtype_policies.DTypePolicyMap):
+        if layer.path is None:
+            return  # Its entry is known once it builds.
+        entry = base[layer.path]
+        if isinstance(entry, Policy) and entry.fp8 is not None:
+            # The map's own recipe for this path: asked for explicitly.
+            layer._keras_mp_fp8_rules_recipe = None
+            return
+    reason = rules_module.DEFAULT_RULES.skip_reason(layer, recipe, is_output)
+    if reason is None and getattr(layer, "lora_enabled", False):
+        reason = "LoRA (not with FP8 yet)"
+    layer._keras_mp_fp8_reason = reason
+    target = base if reason else with_recipe(entry, recipe)
+    _keras_internals.replace_layer_policy(layer, target)
+
+
+def describe(layer, policy):
+    """The FP8 column of `explain_precision`: the recipe, or why none."""
+    recipe = policy.fp8 if isinstance(policy, Policy) else None
+    if recipe is not None:
+        return f"{recipe.scaling}/{recipe.granularity}/{recipe.formats}"
+    reason = getattr(layer, "_keras_mp_fp8_reason", None)
+    if reason is not None:
+        return reason
+    if isinstance(layer, keras.layers.Embedding):
+        return "embedding"
+    if not rules_module.has_gemm(layer):
+        return "no GEMM"
+    return "off"
+
+
+def considered(layer):
+    """Whether the default FP8 rules decided (or will decide) for `layer`."""
+    return (
+        getattr(layer, "_keras_mp_fp8_rules_recipe", None) is not None
+        or getattr(layer, "_keras_mp_fp8_reason", None) is not None
+    )
+
+
+def check_layer(layer):
+    """Raises ValueError when `layer`'s policy gives it a recipe it cannot
+    take (it has no GEMM; block tiles that its dimensions do not fill)."""
+    rules_module.check_layer(layer, layer_recipe(layer))
+
+
+def check_model(model):
+    """`check_layer` for `model` and each of its layers."""
+    for layer in [model, *model._flatten_layers(include_self=False)]:
+        check_layer(layer)
+
+
+def _call_recipe(layer):
+    """The recipe this call runs with, or None for Keras's own call."""
+    recipe = layer_recipe(layer)
+    if recipe is None:
+        return None
+    if layer.lora_enabled:
+        if getattr(layer, "_keras_mp_fp8_rules_recipe", None) is not None:
+            # LoRA enabled after the default rules chose this layer.
+            decide(layer)
+            return None
+        raise ValueError(
+            f"Layer {layer.name!r} has LoRA enabled and a policy with an "
+            "FP8 recipe: FP8 with LoRA is not supported yet. Received: "
+            f"fp8={recipe!r}. Give this layer a policy without `fp8` "
+            "(e.g. `keras_mp.precision_rules({layer_path: "
+            "'mixed_bfloat16'})`), or train it without LoRA."
+        )
+    rules_module.check_layer(layer, recipe)
+    if recipe.scaling != "current":
+        raise ValueError(
+            f"Layer {layer.name!r} has an FP8 recipe with "
+            f"scaling={recipe.scaling!r}: layers run only current scaling "
+            f"so far. Received: fp8={recipe!r}. Use "
+            "`keras_mp.fp8.Recipe(scaling='current', ...)`."
+        )
+    return recipe
+
+
+def _stored(variable):
+    # The GEMM quantizes the stored (float32) kernel: rounding it to the
+    # compute dtype first would round twice, and its gradient would pass
+    # through the compute dtype on the way to a float32 variable. A read
+    # (`copy`), not the variable: TensorFlow's custom gradient refuses a
+    # function that captures a variable.
+    with _keras_internals.without_autocast():
+        return keras.ops.copy(variable)
+
+
+def _bias_and_activation(layer, x):
+    if layer.bias is not None:
+        x = keras.ops.add(x, layer.bias)
+    if layer.activation is not None:
+        x = layer.activation(x)
+    return x
+
+
+def _install_call_hooks():
+    dense_call = keras.layers.Dense.call
+    einsum_call = keras.layers.EinsumDense.call
+    if getattr(dense_call, "_keras_mp_hook", False):
+        return
+
+    @functools.wraps(dense_call)
+    def dense(self, inputs, training=None):
+        recipe = _call_recipe(self)
+        if recipe is None:
+            return dense_call(self, inputs, training=training)
+        x = fp8.dot(
+            inputs,
+            _stored(self.kernel),
+            recipe=recipe,
+            output_dtype=self.compute_dtype,
+        )
+        return _bias_and_activation(self, x)
+
+    @functools.wraps(einsum_call)
+    def einsum_dense(self, inputs, training=None):
+        recipe = _call_recipe(self)
+        if recipe is None:
+            return einsum_call(self, inputs, training=training)
+        x = fp8.einsum(
+            self.equation,
+            inputs,
+            _stored(self.kernel),
+            recipe=recipe,
+            output_dtype=self.compute_dtype,
+        )
+        return _bias_and_activation(self, x)
+
+    dense._keras_mp_hook = True
+    einsum_dense._keras_mp_hook = True
+    keras.layers.Dense.call = dense
+    keras.layers.EinsumDense.call = einsum_dense
+
+
+def _install_build_hooks():
+    for cls in (keras.layers.Dense, keras.layers.EinsumDense):
+        original = cls.build
+        if getattr(original, "_keras_mp_hook", False):
+            continue
+        cls.build = _build_hook(original)
+
+
+def _build_hook(original):
+    @functools.wraps(original)
+    def build(self, input_shape):
+        original(self, input_shape)
+        # The GEMM's dimensions (and a map entry's path) are known now.
+        decide(self)
+        check_layer(self)
+
+    build._keras_mp_hook = True
+    return build
+
+
+_install_call_hooks()
+_install_build_hooks()

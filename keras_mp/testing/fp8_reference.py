@@ -1,0 +1,109 @@
+"""A NumPy + `ml_dtypes` oracle of `keras_mp.fp8`, written apart from it.
+
+Scales from `np.frexp` in float64, codes from `np.clip` and `ml_dtypes`
+casts, GEMMs in float64 on the dequantized codes (exact: a code times a
+power of two is exact). Tests compare the library with it bit for bit
+(codes, scales) or to float32 accumulation rounding (GEMMs).
+"""
+
+import ml_dtypes
+import numpy as np
+
+FORMATS = {
+    "e4m3": (ml_dtypes.float8_e4m3fn, 448.0),
+    "e5m2": (ml_dtypes.float8_e5m2, 57344.0),
+}
+BLOCK = 128
+
+
+def scale(amax, fmt, margin=0):
+    """The smallest power of two `s` with `amax / s <= fmax / 2**margin`."""
+    amax = np.asarray(amax, np.float64)
+    target = FORMATS[fmt][1] / 2.0**margin
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        mantissa, exponent = np.frexp(amax / target)
+        # amax / target = mantissa * 2**exponent, mantissa in [0.5, 1).
+        power = np.where(mantissa == 0.5, exponent - 1, exponent)
+        power = np.clip(power, -126, 127)
+        result = np.ldexp(1.0, power)
+    result = np.where(amax == 0, 1.0, result)
+    result = np.where(np.isfinite(amax), result, amax)
+    return result.astype(np.float32)
+
+
+def encode(x, s, fmt):
+    """Codes of `x / s` (s broadcast), finite overflow clipped first."""
+    dtype, fmax = FORMATS[fmt]
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        y = np.asarray(x, np.float32) / np.asarray(s, np.float32)
+    y = np.where(np.isfinite(y), np.clip(y, -fmax, fmax), y)
+    return y.astype(dtype)
+
+
+def element_scales(x, fmt, granularity, axis=-1, block_shape=None, margin=0):
+    """The scale of each element of `x` (same shape), and the scale as
+    `keras_mp.fp8.quantize` returns it. Blocks along `axis` may end in a
+    partial tile (as the kernel gradient's token tiles do)."""
+    x = np.abs(np.asarray(x, np.float32)).astype(np.float64)
+    # A NaN counts as inf in every amax.
+    x = np.where(np.isnan(x), np.inf, x)
+    if granularity == "tensorwise":
+        s = scale(np.max(x), fmt, margin)
+        return np.broadcast_to(s, x.shape), s
+    if granularity == "rowwise":
+        s = scale(np.max(x, axis=axis, keepdims=True), fmt, margin)
+        return np.broadcast_to(s, x.shape), s
+    if block_shape is not None:
+        rows, cols = x.shape
+        tiles = x.reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
+        s = scale(np.max(tiles, axis=(1, 3)), fmt, margin)
+        full = np.repeat(np.repeat(s, BLOCK, 0), BLOCK, 1)
+        return full, s
+    x = np.moveaxis(x, axis, -1)
+    size = x.shape[-1]
+    padded = np.zeros(x.shape[:-1] + (-(-size // BLOCK) * BLOCK,))
+    padded[..., :size] = x
+    tiles = padded.reshape(x.shape[:-1] + (-1, BLOCK))
+    s = scale(np.max(tiles, axis=-1), fmt, margin)
+    full = np.repeat(s, BLOCK, axis=-1)[..., :size]
+    return np.moveaxis(full, -1, axis), np.moveaxis(s, -1, axis)
+
+
+def quantize(x, fmt, granularity, axis=-1, block_shape=None, margin=0):
+    """`(codes, scale)` as `keras_mp.fp8.quantize` must return them."""
+    full, s = element_scales(x, fmt, granularity, axis, block_shape, margin)
+    return encode(x, full, fmt), s
+
+
+def dequantized(x, fmt, granularity, axis, block_shape=None, margin=0):
+    """`codes * scale` of each element, in float64 (exact)."""
+    full, _ = element_scales(x, fmt, granularity, axis, block_shape, margin)
+    codes = encode(x, full, fmt)
+    return codes.astype(np.float64) * full
+
+
+def gemms(x, w, g, granularity, formats="hybrid", margin=0):
+    """Float64 results of `fp8.dot`'s three GEMMs, each with the sum of
+    absolute products (the scale of float32 accumulation rounding).
+
+    Args:
+        x: `[M, K]`. w: `[K, N]`. g: the output gradient `[M, N]`.
+
+    Returns:
+        `{"out": (value, bound), "dx": ..., "dw": ...}`.
+    """
+    forward = "e4m3"
+    backward = "e5m2" if formats == "hybrid" else "e4m3"
+    kernel_block = (BLOCK, BLOCK) if granularity == "block" else None
+    deq = lambda t, fmt, axis, shape=None: dequantized(  # noqa: E731
+        t, fmt, granularity, axis, shape, margin
+    )
+    operands = {
+        "out": (deq(x, forward, 1), deq(w, forward, 0, kernel_block)),
+        "dx": (deq(g, backward, 1), deq(w, forward, 1, kernel_block).T),
+        "dw": (deq(x, forward, 0).T, deq(g, backward, 0)),
+    }
+    return {
+        name: (a @ b, np.abs(a) @ np.abs(b))
+        for name, (a, b) in operands.items()
+    }

@@ -1,0 +1,381 @@
+"""`keras_mp.fp8.dot` and `fp8.einsum`: three FP8 GEMMs against NumPy.
+
+The reference (`keras_mp.testing.fp8_reference.gemms`) quantizes each
+GEMM's operands with the NumPy + `ml_dtypes` oracle and multiplies in
+float64; the library accumulates in float32, so each result must be
+within 1e-6 times the sum of absolute products (float32 accumulation
+rounding), on every backend.
+"""
+
+import functools
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from keras_mp import fp8
+from keras_mp.testing import fp8_reference as reference
+from keras_mp.testing import to_numpy
+
+
+def _operands(m, k, n, seed=0):
+    """x, kernel and output gradient whose rows and columns span 16
+    binades, so per-row and per-tile scales differ from per-tensor ones."""
+    rng = np.random.default_rng(seed)
+
+    def spread(rows, columns, axis):
+        values = rng.normal(size=(rows, columns))
+        size = (rows, 1) if axis == 0 else (1, columns)
+        return (values * np.exp2(rng.uniform(-8, 8, size))).astype("float32")
+
+    return spread(m, k, 0), spread(k, n, 1), spread(m, n, 0)
+
+
+_JITTED = {}
+
+
+@functools.cache
+def _dot(recipe):
+    """One function per recipe, so that JAX compiles it once per shape."""
+    return lambda x, kernel: fp8.dot(x, kernel, recipe)
+
+
+def _run(function, x, kernel, g, jit=True):
+    """`function(x, kernel)` and its gradients for output gradient `g`
+    (on JAX in one `jax.jit`, unless `jit=False`: op by op, JAX compiles
+    each op for each new shape, ten times slower here)."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        def step(x, kernel, g):
+            out, vjp = jax.vjp(function, x, kernel)
+            return (out, *vjp(ops.cast(g, out.dtype)))
+
+        if not jit:
+            return step(x, kernel, g)
+        if function not in _JITTED:
+            _JITTED[function] = jax.jit(step)
+        return _JITTED[function](x, kernel, g)
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        x, kernel = tf.convert_to_tensor(x), tf.convert_to_tensor(kernel)
+        with tf.GradientTape() as tape:
+            tape.watch([x, kernel])
+            out = function(x, kernel)
+        g = tf.cast(tf.convert_to_tensor(g), out.dtype)
+        return (out, *tape.gradient(out, [x, kernel], output_gradients=g))
+    x = ops.convert_to_tensor(x).detach().clone().requires_grad_(True)
+    kernel = ops.convert_to_tensor(kernel).detach().clone().requires_grad_(True)
+    out = function(x, kernel)
+    out.backward(ops.convert_to_tensor(g).to(out.dtype))
+    return out.detach(), x.grad, kernel.grad
+
+
+def _assert_matches_reference(results, expected):
+    for name, value in zip(("out", "dx", "dw"), results):
+        value = to_numpy(value).astype(np.float64)
+        exact, bound = expected[name]
+        error = np.abs(value - exact)
+        assert (error <= 1e-6 * bound).all(), (
+            f"{name}: error {error.max()} above 1e-6 x the sum of |products|"
+            f" ({(error / np.maximum(bound, 1e-300)).max()} relative)"
+        )
+
+
+SHAPES = {
+    "tensorwise": [
+        (16, 16, 16),
+        (128, 384, 16),
+        (384, 128, 384),
+        (16, 384, 128),
+    ],
+    "rowwise": [(16, 16, 16), (128, 384, 16), (384, 128, 384), (16, 384, 128)],
+    # The kernel's dimensions are multiples of 128; 16 tokens make the
+    # kernel gradient's token tile a partial one.
+    "block": [(16, 128, 128), (384, 384, 128), (128, 128, 384)],
+}
+CASES = [
+    (granularity, formats, shape)
+    for granularity, shapes in SHAPES.items()
+    for formats in ("hybrid", "e4m3")
+    for shape in shapes
+]
+
+
+@pytest.mark.parametrize(
+    "granularity, formats, shape", CASES, ids=lambda v: str(v).replace(" ", "")
+)
+def test_forward_and_gradients_match_numpy_to_float32_accumulation(
+    granularity, formats, shape
+):
+    recipe = fp8.Recipe(granularity=granularity, formats=formats)
+    x, kernel, g = _operands(*shape)
+    results = _run(_dot(recipe), x, kernel, g)
+    assert [to_numpy(r).dtype for r in results] == [np.float32] * 3
+    _assert_matches_reference(
+        results, reference.gemms(x, kernel, g, granularity, formats)
+    )
+
+
+def test_finer_granularities_keep_the_rows_a_tensor_scale_flushes():
+    x, kernel, g = _operands(128, 128, 128, seed=1)
+    x[:64] = np.random.default_rng(1).normal(size=(64, 128)) * 2.0**-20
+    exact = x.astype(np.float64) @ kernel
+
+    def error(granularity):
+        recipe = fp8.Recipe(granularity=granularity)
+        out = to_numpy(_run(_dot(recipe), x, kernel, g)[0])
+        return np.abs(out - exact)[:64].max() / np.abs(exact[:64]).max()
+
+    # One scale for the tensor flushes the rows 2**20 below its amax.
+    assert error("tensorwise") > 0.5
+    assert error("rowwise") < 0.1
+    assert error("block") < 0.1
+
+
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "block"])
+def test_three_dimensional_inputs_match_their_two_dimensional_reference(
+    granularity,
+):
+    recipe = fp8.Recipe(granularity=granularity)
+    x, kernel, g = _operands(256, 128, 128, seed=2)
+    x3, g3 = x.reshape(2, 128, 128), g.reshape(2, 128, 128)
+    results = _run(_dot(recipe), x3, kernel, g3)
+    assert tuple(results[0].shape) == (2, 128, 128)
+    assert tuple(results[1].shape) == (2, 128, 128)
+    flat = [
+        ops.reshape(results[0], (256, 128)),
+        ops.reshape(results[1], (256, 128)),
+    ]
+    _assert_matches_reference(
+        [*flat, results[2]], reference.gemms(x, kernel, g, granularity)
+    )
+
+
+EQUATIONS = [
+    # equation, x shape, kernel shape: each a [16, 128] x [128, 128] dot.
+    ("ab,bc->ac", (16, 128), (128, 128)),
+    ("abc,cd->abd", (2, 8, 128), (128, 128)),
+    ("abc,cde->abde", (2, 8, 128), (128, 2, 64)),
+    ("abcd,cde->abe", (2, 8, 2, 64), (2, 64, 128)),
+    ("...b,bc->...c", (2, 2, 4, 128), (128, 128)),
+    ("abc,dce->abde", (2, 8, 128), (2, 128, 64)),
+]
+
+
+def _as_dot(equation, x, kernel):
+    """The operands of the `dot` that `equation` is, by NumPy."""
+    if equation == "abc,dce->abde":
+        return x.reshape(16, 128), kernel.transpose(1, 0, 2).reshape(128, 128)
+    return x.reshape(-1, 128), kernel.reshape(128, -1)
+
+
+@pytest.mark.parametrize("equation, x_shape, kernel_shape", EQUATIONS)
+def test_einsum_is_the_dot_of_its_reshaped_operands(
+    equation, x_shape, kernel_shape
+):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=x_shape).astype("float32")
+    kernel = rng.normal(size=kernel_shape).astype("float32")
+    expected_shape = np.einsum(equation, x, kernel).shape
+    g = rng.normal(size=expected_shape).astype("float32")
+    recipe = fp8.Recipe(granularity="block")
+    out, dx, dkernel = _run(
+        lambda a, b: fp8.einsum(equation, a, b, recipe), x, kernel, g
+    )
+    assert tuple(out.shape) == expected_shape
+    assert tuple(dx.shape) == x_shape and tuple(dkernel.shape) == kernel_shape
+    x2, kernel2 = _as_dot(equation, x, kernel)
+    g2 = g.reshape(x2.shape[0], -1)
+    expected = reference.gemms(x2, kernel2, g2, "block")
+    out2 = ops.reshape(out, (x2.shape[0], -1))
+    dx2 = ops.reshape(dx, x2.shape)
+    dkernel2 = _as_dot(equation, x, to_numpy(dkernel))[1]
+    _assert_matches_reference([out2, dx2, dkernel2], expected)
+
+
+@pytest.mark.parametrize("factor", [2.0, 0.5])
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "block"])
+def test_a_loss_scale_changes_no_code_and_scales_gradients_exactly(
+    granularity, factor
+):
+    recipe = fp8.Recipe(granularity=granularity)
+    x, kernel, g = _operands(128, 128, 256, seed=4)
+    _, dx, dw = _run(_dot(recipe), x, kernel, g)
+    _, dx_scaled, dw_scaled = _run(_dot(recipe), x, kernel, g * factor)
+    np.testing.assert_array_equal(to_numpy(dx_scaled), to_numpy(dx) * factor)
+    np.testing.assert_array_equal(to_numpy(dw_scaled), to_numpy(dw) * factor)
+    codes, scale = fp8.quantize(g, "e5m2", granularity)
+    codes_scaled, scale_scaled = fp8.quantize(g * factor, "e5m2", granularity)
+    np.testing.assert_array_equal(
+        to_numpy(ops.cast(codes_scaled, "float32")),
+        to_numpy(ops.cast(codes, "float32")),
+    )
+    np.testing.assert_array_equal(
+        to_numpy(scale_scaled), to_numpy(scale) * factor
+    )
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "block"])
+def test_a_nonfinite_output_gradient_gives_nonfinite_gradients(
+    granularity, bad
+):
+    recipe = fp8.Recipe(granularity=granularity)
+    x, kernel, g = _operands(128, 128, 128, seed=5)
+    g[7, 3] = bad
+    _, dx, dw = _run(_dot(recipe), x, kernel, g)
+    assert not np.isfinite(to_numpy(dx)).all()
+    assert not np.isfinite(to_numpy(dw)).all()
+    x[2, 9] = bad
+    out = to_numpy(fp8.dot(x, kernel, recipe))
+    assert not np.isfinite(out).all()
+
+
+def test_output_and_gradients_take_the_requested_dtypes():
+    x, kernel, g = _operands(16, 128, 16, seed=6)
+    x16 = ops.convert_to_tensor(x, "bfloat16")
+    out, dx, dw = _run(fp8.dot, x16, kernel, g)
+    assert keras.backend.standardize_dtype(out.dtype) == "bfloat16"
+    assert keras.backend.standardize_dtype(dx.dtype) == "bfloat16"
+    assert keras.backend.standardize_dtype(dw.dtype) == "float32"
+    out32 = fp8.dot(x16, kernel, output_dtype="float32")
+    assert keras.backend.standardize_dtype(out32.dtype) == "float32"
+    # bfloat16 rounding of the float32 result, nothing else.
+    np.testing.assert_array_equal(
+        to_numpy(ops.cast(out32, "bfloat16")).astype("float32"),
+        to_numpy(out).astype("float32"),
+    )
+
+
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "block"])
+def test_compiled_steps_give_the_eager_results(granularity):
+    recipe = fp8.Recipe(granularity=granularity)
+    x, kernel, g = _operands(16, 128, 128, seed=7)
+    function = _dot(recipe)
+    eager = _run(function, x, kernel, g, jit=False)
+    backend = keras.backend.backend()
+    if backend == "jax":
+        compiled = [_run(function, x, kernel, g)]
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        def step(a, b, g):
+            with tf.GradientTape() as tape:
+                tape.watch([a, b])
+                out = function(a, b)
+            return (out, *tape.gradient(out, [a, b], output_gradients=g))
+
+        # Graph mode, XLA, and a graph whose batch size is unknown.
+        signature = [
+            tf.TensorSpec((None, 128)),
+            tf.TensorSpec((128, 128)),
+            tf.TensorSpec((None, 128)),
+        ]
+        compiled = [
+            tf.function(step)(x, kernel, g),
+            tf.function(step, jit_compile=True)(x, kernel, g),
+            tf.function(step, input_signature=signature)(x, kernel, g),
+        ]
+    else:
+        pytest.skip("PyTorch runs eagerly: nothing to compile")
+    for results in compiled:
+        for value, expected in zip(results, eager):
+            np.testing.assert_array_equal(to_numpy(value), to_numpy(expected))
+
+
+@pytest.mark.backends("torch")
+def test_torch_runs_the_two_dimensional_gemms_on_scaled_mm(monkeypatch):
+    import torch
+
+    calls = []
+    scaled_mm = torch._scaled_mm
+
+    def counting(a, b, *args, **kwargs):
+        calls.append((a.dtype, b.dtype))
+        return scaled_mm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", counting)
+    x, kernel, g = _operands(16, 32, 48)
+    _run(fp8.dot, x, kernel, g)
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    assert calls == [(e4m3, e4m3), (e5m2, e4m3), (e4m3, e5m2)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"recipe": fp8.Recipe(granularity="block")}, ValueError, "multiples"),
+        ({"recipe": fp8.Recipe(scaling="delayed")}, ValueError, "current"),
+        ({"recipe": "hybrid"}, TypeError, "Recipe"),
+        ({"output_dtype": "int8"}, ValueError, "output_dtype"),
+    ],
+)
+def test_bad_dot_arguments_raise_with_the_fix(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        fp8.dot(
+            np.ones((16, 64), "float32"), np.ones((64, 32), "float32"), **kwargs
+        )
+
+
+def test_bad_operands_raise():
+    with pytest.raises(TypeError, match="floating point"):
+        fp8.dot(np.ones((4, 16), "int32"), np.ones((16, 16), "float32"))
+    with pytest.raises(ValueError, match="last dimension"):
+        fp8.dot(np.ones((4, 8), "float32"), np.ones((16, 16), "float32"))
+    with pytest.raises(ValueError, match="2-D kernel"):
+        fp8.dot(np.ones((4, 16), "float32"), np.ones((16, 2, 8), "float32"))
+
+
+@pytest.mark.parametrize(
+    "equation", ["abc,acd->abd", "abc,cd->ad", "ab,cd->abcd", "abc,cd"]
+)
+def test_einsum_that_is_not_one_dot_raises_naming_the_equation(equation):
+    with pytest.raises(ValueError, match="Received: equation="):
+        fp8.einsum(
+            equation,
+            np.ones((2, 4, 16), "float32"),
+            np.ones((16, 16), "float32"),
+        )
+
+
+def test_gradients_reach_keras_variables():
+    from keras_mp.backend import gradients
+
+    x, kernel, g = _operands(16, 32, 16, seed=8)
+    x_variable, kernel_variable = keras.Variable(x), keras.Variable(kernel)
+    dx, dw = gradients.compute_gradients(
+        lambda: ops.sum(
+            fp8.dot(x_variable, kernel_variable) * ops.convert_to_tensor(g)
+        ),
+        [x_variable, kernel_variable],
+    )
+    _, expected_dx, expected_dw = _run(_dot(fp8.DEFAULT_RECIPE), x, kernel, g)
+    np.testing.assert_array_equal(to_numpy(dx), to_numpy(expected_dx))
+    np.testing.assert_array_equal(to_numpy(dw), to_numpy(expected_dw))
+
+
+class _FP8Dense(keras.layers.Dense):
+    def call(self, inputs):
+        return fp8.dot(inputs, self.kernel) + self.bias
+
+
+def test_a_layer_calling_dot_trains_in_fit_under_mixed_bfloat16():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((32,)), _FP8Dense(16, activation="relu"), _FP8Dense(1)]
+    )
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(64, 32)).astype("float32")
+    y = x[:, :1]
+    before = [to_numpy(w) for w in model.trainable_weights]
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    after = [to_numpy(w) for w in model.trainable_weights]
+    assert all((a != b).any() for a, b in zip(after, before))

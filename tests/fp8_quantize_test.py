@@ -1,0 +1,219 @@
+"""`keras_mp.fp8.quantize`: codes bit for bit as NumPy + `ml_dtypes`.
+
+The oracle (`keras_mp.testing.fp8_reference`) clips with `np.clip` and
+casts with `ml_dtypes`; scales come from `np.frexp`. Every backend must
+give the same code bits (NaN payloads aside: NaN-ness is compared) and
+the same scales, for both formats, every granularity and float32,
+bfloat16 and float16 inputs.
+"""
+
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+from keras import ops
+
+from keras_mp import fp8
+from keras_mp.testing import fp8_reference as reference
+from keras_mp.testing import to_numpy
+
+FORMATS = ["e4m3", "e5m2"]
+DTYPES = ["float32", "bfloat16", "float16"]
+# (granularity, axis, block_shape)
+MODES = [
+    ("tensorwise", -1, None),
+    ("rowwise", -1, None),
+    ("rowwise", 0, None),
+    ("block", -1, None),
+    ("block", 0, None),
+    ("block", -1, (128, 128)),
+]
+ROWS, COLUMNS = 1536, 128  # 196,608 values, 2**-20 ... 2**12
+
+
+def _bits(codes):
+    if keras.backend.backend() == "torch":
+        return to_numpy(ops.view(codes, "uint8"))
+    return np.asarray(ops.convert_to_numpy(codes)).view(np.uint8)
+
+
+def _special_values(fmt):
+    dtype, fmax = reference.FORMATS[fmt]
+    subnormals = np.float32(ml_dtypes.finfo(dtype).smallest_subnormal)
+    return np.array(
+        [0.0, -0.0, np.inf, -np.inf, np.nan, 1.1 * fmax, -1.1 * fmax, fmax]
+        + [k * subnormals for k in (1, 1.5, 2, 2.5, 3, -1, -3.5)],
+        np.float32,
+    )
+
+
+def _data(fmt, dtype, seed=0):
+    """Log-uniform magnitudes over 2**-20 ... 2**12 with random signs, each
+    row spanning its own 12 binades (so per-row and per-tile scales differ
+    from the tensor's)."""
+    rng = np.random.default_rng(seed)
+    low = rng.uniform(-20, 0, (ROWS, 1))
+    exponents = low + rng.uniform(0, 12, (ROWS, COLUMNS))
+    x = np.exp2(exponents) * rng.choice([-1.0, 1.0], (ROWS, COLUMNS))
+    return x.astype(np.float32).astype(dtype)
+
+
+def _with_specials(x, fmt):
+    """`x` with the special values in its first rows (a scale of 1 puts
+    them where the format's clipping, subnormals and NaN/inf rules act)."""
+    x = x.astype(np.float32)
+    specials = _special_values(fmt)
+    x[: len(specials), :5] = specials[:, None]
+    return x.astype(x.dtype)
+
+
+def _assert_codes_equal(codes, expected):
+    bits, expected_bits = _bits(codes), expected.view(np.uint8)
+    assert bits.shape == expected_bits.shape
+    expected_nan = np.isnan(expected.astype(np.float32))
+    nan = np.isnan(to_numpy(ops.cast(codes, "float32")))
+    np.testing.assert_array_equal(nan, expected_nan)
+    mismatch = (bits != expected_bits) & ~expected_nan
+    assert not mismatch.any(), (
+        f"{mismatch.sum()} codes differ, e.g. got {bits[mismatch][:5]}, "
+        f"expected {expected_bits[mismatch][:5]}"
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"{m[0]}{m[1]}{m[2]}")
+def test_codes_and_scales_match_numpy_and_ml_dtypes(mode, fmt, dtype):
+    granularity, axis, block_shape = mode
+    x = _data(fmt, dtype)
+    host = x.astype(dtype)
+    codes, scale = fp8.quantize(
+        ops.convert_to_tensor(host.astype(np.float32), dtype=dtype),
+        fmt,
+        granularity,
+        axis=axis,
+        block_shape=block_shape,
+    )
+    expected_codes, expected_scale = reference.quantize(
+        host.astype(np.float32), fmt, granularity, axis, block_shape
+    )
+    assert keras.backend.standardize_dtype(codes.dtype) == (
+        "float8_e4m3fn" if fmt == "e4m3" else "float8_e5m2"
+    )
+    _assert_codes_equal(codes, expected_codes)
+    np.testing.assert_array_equal(to_numpy(scale), expected_scale)
+    assert to_numpy(scale).dtype == np.float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_given_scale_clips_finite_values_and_keeps_inf_and_nan(fmt, dtype):
+    x = _with_specials(_data(fmt, dtype, seed=1), fmt).astype(dtype)
+    host = x.astype(np.float32)
+    codes, scale = fp8.quantize(
+        ops.convert_to_tensor(host, dtype=dtype), fmt, scale=1.0
+    )
+    _assert_codes_equal(codes, reference.encode(host, 1.0, fmt))
+    assert float(to_numpy(scale)) == 1.0
+    values = to_numpy(ops.cast(codes, "float32"))[:8, 0]
+    fmax = reference.FORMATS[fmt][1]
+    # 0, -0, inf, -inf, NaN, 1.1 max, -1.1 max, max
+    assert values[5] == fmax and values[6] == -fmax and values[7] == fmax
+    assert np.isnan(values[4])
+    if fmt == "e5m2":
+        assert values[2] == np.inf and values[3] == -np.inf
+    else:  # E4M3 has no inf: NaN, never a saturated finite value.
+        assert np.isnan(values[2]) and np.isnan(values[3])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"{m[0]}{m[1]}{m[2]}")
+def test_nonfinite_values_give_nonfinite_scales_never_clipped(mode, fmt):
+    granularity, axis, block_shape = mode
+    x = _with_specials(_data(fmt, "float32", seed=2), fmt)
+    codes, scale = fp8.quantize(
+        x, fmt, granularity, axis=axis, block_shape=block_shape
+    )
+    expected_codes, expected_scale = reference.quantize(
+        x, fmt, granularity, axis, block_shape
+    )
+    _assert_codes_equal(codes, expected_codes)
+    np.testing.assert_array_equal(to_numpy(scale), expected_scale)
+    # The slices holding inf or NaN keep a non-finite scale.
+    assert not np.isfinite(to_numpy(scale)).all()
+
+
+def test_scale_is_the_smallest_power_of_two_within_the_margin():
+    amax = np.array([448.0, 448.5, 449.0, 896.0, 1.0, 0.0, 3e38, 1e-30])
+    for margin in (0, 1, 3):
+        _, scale = fp8.quantize(
+            amax[:, None], granularity="rowwise", margin=margin
+        )
+        scale = to_numpy(scale)[:, 0]
+        np.testing.assert_array_equal(
+            scale, reference.scale(amax, "e4m3", margin)
+        )
+        exponent = np.log2(scale)
+        assert np.array_equal(exponent, np.round(exponent))
+        limit = 448.0 / 2**margin
+        assert (amax / scale <= limit).all()
+        assert (amax[amax > 1e-30] / (scale[amax > 1e-30] / 2) > limit).all()
+    _, scale = fp8.quantize(
+        np.array([448.0, 449.0]), granularity="rowwise", axis=0
+    )
+    assert to_numpy(scale).tolist() == [2.0]
+
+
+def test_quantize_works_the_same_inside_a_compiled_function():
+    x = _with_specials(_data("e4m3", "float32", seed=3), "e5m2")
+    eager = [fp8.quantize(x, "e5m2", "block")]
+    backend = keras.backend.backend()
+    run = lambda t: fp8.quantize(t, "e5m2", "block")  # noqa: E731
+    if backend == "jax":
+        import jax
+
+        compiled = jax.jit(run)(x)
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        compiled = tf.function(run, jit_compile=True)(x)
+        _assert_codes_equal(tf.function(run)(x)[0], _np_codes(eager[0][0]))
+    else:
+        pytest.skip("PyTorch runs eagerly: nothing to compile")
+    _assert_codes_equal(compiled[0], _np_codes(eager[0][0]))
+    np.testing.assert_array_equal(to_numpy(compiled[1]), to_numpy(eager[0][1]))
+
+
+def _np_codes(codes):
+    return _bits(codes).view(ml_dtypes.float8_e5m2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"fmt": "e3m4"}, ValueError, "`fmt` is one of"),
+        ({"granularity": "mx"}, ValueError, "`granularity` is one of"),
+        ({"margin": -1}, ValueError, "`margin` is an integer"),
+        (
+            {"granularity": "rowwise", "axis": 2},
+            ValueError,
+            "`axis` is an axis",
+        ),
+        ({"granularity": "block", "axis": 0}, ValueError, "pad that dim"),
+        (
+            {"granularity": "block", "block_shape": (128, 64)},
+            ValueError,
+            "block_shape",
+        ),
+    ],
+)
+def test_bad_arguments_raise_naming_the_choices_and_the_fix(
+    kwargs, error, match
+):
+    with pytest.raises(error, match=match):
+        fp8.quantize(np.ones((48, 128), "float32"), **kwargs)
+
+
+def test_a_non_float_input_raises_a_type_error():
+    with pytest.raises(TypeError, match="floating point"):
+        fp8.quantize(np.ones((4, 4), "int32"))
