@@ -383,3 +383,25 @@ def test_a_layer_calling_dot_trains_in_fit_under_mixed_bfloat16():
     assert history.history["loss"][-1] < history.history["loss"][0]
     after = [to_numpy(w) for w in model.trainable_weights]
     assert all((a != b).any() for a, b in zip(after, before))
+
+
+@pytest.mark.backends("jax")
+def test_jax_feeds_the_fp8_codes_themselves_to_dot_general():
+    import jax
+
+    x, kernel, g = _operands(16, 128, 128)
+    jaxpr = jax.make_jaxpr(lambda *args: _run(fp8.dot, *args, jit=False))(
+        x, kernel, g
+    )
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    # The forward, input gradient and kernel gradient GEMMs.
+    assert len(dots) == 3, jaxpr
+    for eqn in dots:
+        assert str(eqn.params["preferred_element_type"]) == "float32"
+    operand_types = [
+        tuple(str(var.aval.dtype) for var in eqn.invars) for eqn in dots
+    ]
+    e4m3, e5m2 = "float8_e4m3fn", "float8_e5m2"
+    assert sorted(operand_types) == sorted(
+        [(e4m3, e4m3), (e5m2, e4m3), (e4m3, e5m2)]
+    )

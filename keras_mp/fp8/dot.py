@@ -64,10 +64,10 @@ def _pad_rows(t):
     """`t` with zero rows appended up to a multiple of `BLOCK_SIZE`: a
     zero changes no tile's amax and no sum."""
     rows = ops.shape(t)[0]
-    if isinstance(rows, int):
-        pad = -rows % BLOCK_SIZE
-        return ops.pad(t, ((0, pad), (0, 0))) if pad else t
     pad = -rows % BLOCK_SIZE
+    if isinstance(rows, int):
+        return ops.pad(t, ((0, pad), (0, 0))) if pad else t
+    # A TensorFlow graph of unknown batch size: `pad` is a tensor.
     return ops.concatenate([t, ops.zeros((pad, t.shape[1]), t.dtype)], 0)
 
 
