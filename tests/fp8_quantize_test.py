@@ -28,7 +28,7 @@ MODES = [
     ("block", 0, None),
     ("block", -1, (128, 128)),
 ]
-ROWS, COLUMNS = 1536, 128  # 196,608 values, 2**-20 ... 2**12
+ROWS, COLUMNS = 1664, 128  # 212,992 values, 2**-20 ... 2**12
 
 
 def _bits(codes):

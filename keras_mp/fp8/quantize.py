@@ -99,11 +99,11 @@ def encode(y, fmt):
     E4M3 (which has no inf) turns it into NaN, as `ml_dtypes` does.
     """
     dtype, fmax = FORMATS[fmt]
-    overflow = ops.logical_and(ops.abs(y) > fmax, ops.isfinite(y))
-    y = ops.where(overflow, ops.where(y > 0, fmax, -fmax), y)
-    if fmt == "e4m3":
-        y = ops.where(ops.isinf(y), float("nan"), y)
-    return ops.cast(y, dtype)
+    # `clip` keeps NaN but takes inf to fmax: inf is put back (E5M2) or
+    # made NaN (E4M3) after it. Four passes over the tensor in all.
+    clipped = ops.clip(y, -fmax, fmax)
+    nonfinite = y if fmt == "e5m2" else float("nan")
+    return ops.cast(ops.where(ops.isinf(y), nonfinite, clipped), dtype)
 
 
 def quantize_reduced(x, fmt, axes, margin=0, scale=None):
