@@ -44,6 +44,7 @@ def test_guides_and_examples_are_found():
 _CHECKED_SEPARATELY = {
     "examples/quickstart.py",
     "guides/debugging_overflows.py",
+    "guides/fp8_training.py",
     "guides/mixed_precision_with_fit.py",
 }
 
@@ -96,3 +97,32 @@ def test_debugging_overflows_guide_names_the_overflowing_layer(tmp_path):
     assert "projection/kernel" in report
     assert "logits" not in report
     assert "skipped 1" in output and "skipped 0" in output
+
+
+@pytest.mark.slow
+def test_fp8_guide_tracks_bfloat16_within_a_hundredth_of_a_nat(tmp_path):
+    # Quick mode trains each run 20 steps; the full guide's 300 steps give
+    # gaps below 0.001 nats (README).
+    plot = tmp_path / "fp8_loss.png"
+    output = _run(ROOT / "guides" / "fp8_training.py", "--plot", str(plot))
+    assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    table = output.split("## 2.")[1].split("Loss curves")[0]
+    gaps = {
+        line[:18].strip(): float(line.split()[-1])
+        for line in table.splitlines()
+        if line.strip().startswith(("tensorwise", "rowwise", "block", "e4m3"))
+    }
+    assert set(gaps) == {"tensorwise", "rowwise", "block", "e4m3 tensorwise"}
+    assert all(abs(gap) <= 0.01 for gap in gaps.values()), gaps
+    # Finer scales confine an outlier channel: fewer values flushed to 0.
+    outliers = output.split("## 3.")[1].split("## 4.")[0]
+    flushed = {
+        line.split()[0]: float(line.split()[-1].rstrip("%"))
+        for line in outliers.splitlines()[2:]
+        if line.strip()
+    }
+    assert flushed["block"] < flushed["tensorwise"]
+    assert flushed["rowwise"] < flushed["tensorwise"]
+    # Explain_precision lists the GEMMs in FP8, and the head without.
+    assert output.count("current/tensorwise/hybrid") == 6
+    assert "output layer" in output
