@@ -292,9 +292,14 @@ def test_compiled_steps_give_the_eager_results(granularity):
 
 
 @pytest.mark.backends("torch")
-def test_torch_runs_the_two_dimensional_gemms_on_scaled_mm(monkeypatch):
+def test_torch_scaled_mm_and_the_cpu_upcast_give_the_same_bits(monkeypatch):
     import torch
 
+    from keras_mp.backend import fp8 as backend_fp8
+
+    x, kernel, g = _operands(16, 32, 48)
+    upcast = _run(fp8.dot, x, kernel, g)
+    monkeypatch.setattr(backend_fp8, "SCALED_MM_ON_CPU", True)
     calls = []
     scaled_mm = torch._scaled_mm
 
@@ -303,10 +308,11 @@ def test_torch_runs_the_two_dimensional_gemms_on_scaled_mm(monkeypatch):
         return scaled_mm(a, b, *args, **kwargs)
 
     monkeypatch.setattr(torch, "_scaled_mm", counting)
-    x, kernel, g = _operands(16, 32, 48)
-    _run(fp8.dot, x, kernel, g)
+    scaled = _run(fp8.dot, x, kernel, g)
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
     assert calls == [(e4m3, e4m3), (e5m2, e4m3), (e4m3, e5m2)]
+    for a, b in zip(scaled, upcast):
+        np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
 
 
 @pytest.mark.parametrize(

@@ -9,12 +9,13 @@ and DeepSeek-V3's power-of-two convention, `s = 2**ceil(log2(amax /
 a power of two is exact, so the only rounding is the cast to FP8, and a
 loss scale of `2**k` moves every scale by `2**k` and changes no code.
 
-Imports only `keras_mp.fp8.recipe`.
+Imports only `keras_mp.fp8.recipe` and `keras_mp.backend.fp8`.
 """
 
 import keras
 from keras import ops
 
+from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.fp8.recipe import BLOCK_SIZE
 
 # Format name -> (Keras dtype of the codes, largest finite value).
@@ -120,10 +121,8 @@ def quantize_reduced(x, fmt, axes, margin=0, scale=None):
         `(codes, scale)`, the scale with `axes` kept as size-1 dimensions.
     """
     if scale is None:
-        # A NaN counts as inf: XLA's CPU max reductions drop NaNs in large
-        # tensors (jax 0.10), and either way the scale must be non-finite.
-        magnitude = ops.where(ops.isnan(x), float("inf"), ops.abs(x))
-        amax = ops.max(magnitude, axis=axes, keepdims=True)
+        # A NaN counts as inf: the scale must be non-finite.
+        amax = backend_fp8.amax(x, axes)
         scale = scale_from_amax(amax, fmt, margin)
     return encode(x / scale, fmt), scale
 
