@@ -57,6 +57,19 @@ def test_bad_fields_raise_naming_the_field_and_the_value(field, value):
         fp8.Recipe(**{field: value})
 
 
+@pytest.mark.parametrize(
+    "kwargs, hint",
+    [
+        ({"amax_history_len": 16}, "`amax_history_len` is `amax_history`"),
+        ({"granularty": "rowwise"}, "`granularty` is `granularity`"),
+        ({"stochastic": True}, "Received unknown fields \\['stochastic'\\]"),
+    ],
+)
+def test_an_unknown_field_raises_a_value_error_naming_the_fields(kwargs, hint):
+    with pytest.raises(ValueError, match=hint):
+        fp8.Recipe(**kwargs)
+
+
 def test_an_unknown_config_key_raises():
     with pytest.raises(ValueError, match="history"):
         fp8.Recipe.from_config({"history": 3})

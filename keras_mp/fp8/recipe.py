@@ -6,6 +6,7 @@ chosen and at what granularity, as Transformer Engine's
 Imports only `keras_mp._config`.
 """
 
+import difflib
 import numbers
 
 import keras
@@ -20,6 +21,43 @@ AMAX_ALGOS = ("max", "most_recent")
 # DeepSeek-V3's tiles: 1x128 for activations and gradients, 128x128 for
 # weights. A GEMM in "block" granularity needs its dimensions to be multiples.
 BLOCK_SIZE = 128
+
+
+FIELDS = (
+    "scaling",
+    "granularity",
+    "formats",
+    "margin",
+    "amax_history",
+    "amax_algo",
+)
+
+# Names other FP8 libraries give these fields (Transformer Engine's
+# `DelayedScaling`, torchao's configs), and the field each one is here.
+_OTHER_NAMES = {
+    "amax_history_len": "amax_history",
+    "amax_compute_algo": "amax_algo",
+    "fp8_format": "formats",
+    "format": "formats",
+    "fmt": "formats",
+}
+
+
+def _unknown_fields_message(kwargs):
+    unknown = sorted(kwargs)
+    hints = []
+    for name in unknown:
+        match = _OTHER_NAMES.get(name) or next(
+            iter(difflib.get_close_matches(name, FIELDS, n=1)), None
+        )
+        if match:
+            hints.append(f"`{name}` is `{match}` here")
+    hint = f" ({'; '.join(hints)})" if hints else ""
+    return (
+        f"A Recipe takes the fields {list(FIELDS)}. Received unknown "
+        f"fields {unknown}{hint}. Pass only those fields, e.g. "
+        '`keras_mp.fp8.Recipe(granularity="rowwise", margin=1)`.'
+    )
 
 
 def _check_choice(name, value, choices):
@@ -91,7 +129,10 @@ class Recipe:
         margin=0,
         amax_history=1024,
         amax_algo="max",
+        **kwargs,
     ):
+        if kwargs:
+            raise ValueError(_unknown_fields_message(kwargs))
         _check_choice("scaling", scaling, SCALINGS)
         _check_choice("granularity", granularity, GRANULARITIES)
         _check_choice("formats", formats, FORMATS)
@@ -132,7 +173,7 @@ class Recipe:
 
     @classmethod
     def from_config(cls, config):
-        _config.check_config(cls, config, required=[])
+        _config.check_config(cls, config, required=[], allowed=FIELDS)
         return cls(**config)
 
     def __eq__(self, other):
