@@ -17,13 +17,14 @@ from keras import ops
 
 from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.fp8.recipe import BLOCK_SIZE
+from keras_mp.fp8.recipe import GRANULARITIES
+from keras_mp.fp8.recipe import check_choice
 
 # Format name -> (Keras dtype of the codes, largest finite value).
 FORMATS = {
     "e4m3": ("float8_e4m3fn", 448.0),
     "e5m2": ("float8_e5m2", 57344.0),
 }
-GRANULARITIES = ("tensorwise", "rowwise", "block")
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 # Biased float32 exponents of the smallest and largest normal powers of two.
@@ -32,10 +33,7 @@ _MAX_EXPONENT = 254
 
 
 def check_format(fmt):
-    if not isinstance(fmt, str) or fmt not in FORMATS:
-        raise ValueError(
-            f"`fmt` is one of {list(FORMATS)}. Received: fmt={fmt!r}"
-        )
+    check_choice("fmt", fmt, FORMATS)
     return FORMATS[fmt]
 
 
@@ -200,11 +198,7 @@ def quantize(
     [2.0, -12.0, 384.0]
     """
     check_format(fmt)
-    if not isinstance(granularity, str) or granularity not in GRANULARITIES:
-        raise ValueError(
-            f"`granularity` is one of {list(GRANULARITIES)}. Received: "
-            f"granularity={granularity!r}"
-        )
+    check_choice("granularity", granularity, GRANULARITIES)
     if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
         raise ValueError(
             f"`margin` is an integer >= 0. Received: margin={margin!r}"

@@ -60,7 +60,8 @@ def _unknown_fields_message(kwargs):
     )
 
 
-def _check_choice(name, value, choices):
+def check_choice(name, value, choices):
+    """Raises ValueError unless `value` is one of `choices` (by name)."""
     if not isinstance(value, str) or value not in choices:
         raise ValueError(
             f"`{name}` is one of {list(choices)}. Received: {name}={value!r}"
@@ -133,10 +134,10 @@ class Recipe:
     ):
         if kwargs:
             raise ValueError(_unknown_fields_message(kwargs))
-        _check_choice("scaling", scaling, SCALINGS)
-        _check_choice("granularity", granularity, GRANULARITIES)
-        _check_choice("formats", formats, FORMATS)
-        _check_choice("amax_algo", amax_algo, AMAX_ALGOS)
+        check_choice("scaling", scaling, SCALINGS)
+        check_choice("granularity", granularity, GRANULARITIES)
+        check_choice("formats", formats, FORMATS)
+        check_choice("amax_algo", amax_algo, AMAX_ALGOS)
         self._scaling = scaling
         self._granularity = granularity
         self._formats = formats
