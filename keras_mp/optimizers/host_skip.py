@@ -11,8 +11,9 @@ skip decision and the host"). With `skip_on_device=True` and Keras's own
 Adam or AdamW, the update is instead torch's fused AdamW kernel, which
 leaves the state untouched where a device flag says so (within the
 tolerance stated in `backend/fused_adam.py`). Imports `keras_mp.backend`,
-`keras_mp._keras_internals` and `optimizers/overwrite_with_gradient.py`;
-never `loss_scale_optimizer.py` or `wrapper.py`.
+`keras_mp._keras_internals`, `optimizers/overflow.py` and
+`optimizers/overwrite_with_gradient.py`; never `loss_scale_optimizer.py` or
+`wrapper.py`.
 """
 
 import keras
@@ -22,6 +23,7 @@ from keras_mp import _keras_internals
 from keras_mp.backend import collectives
 from keras_mp.backend import fused_adam
 from keras_mp.backend import gradients as backend_gradients
+from keras_mp.optimizers import overflow
 from keras_mp.optimizers.overwrite_with_gradient import overwrites_with_gradient
 
 
@@ -41,7 +43,9 @@ class HostSkipMixin:
         """Whether this step's skip is decided by a Python branch."""
         return keras.backend.backend() == "torch" and not self.skip_on_device
 
-    def _run_step_on_host(self, grads_and_vars):
+    def _unscale_and_check(self, grads_and_vars):
+        """The step's gradients unscaled in one fused pass, and whether all
+        are finite in every process: `(grads_and_vars, is_finite)`."""
         # Gradients may come as NumPy arrays; torch tensors pass as they are.
         grads = [
             None if g is None else ops.convert_to_tensor(g)
@@ -61,7 +65,10 @@ class HostSkipMixin:
         # receives them so.
         self._unscale_in_step = False
         is_finite = collectives.all_processes_finite(is_finite)
-        grads_and_vars = list(zip(grads, variables))
+        return list(zip(grads, variables)), is_finite
+
+    def _run_step_on_host(self, grads_and_vars):
+        grads_and_vars, is_finite = self._unscale_and_check(grads_and_vars)
         accumulating = bool(self._accumulation_steps())
         flags = [is_finite]
         if accumulating:
@@ -76,11 +83,9 @@ class HostSkipMixin:
             # did (exactly, with `isfinite`; finite steps add nothing).
             self._track_overflow(
                 grads_and_vars,
-                [
-                    ops.all(ops.isfinite(backend_gradients.gradient_values(g)))
-                    for g in grads
-                    if g is not None
-                ],
+                overflow.exactly_finite_per_gradient(
+                    [g for g, _ in grads_and_vars]
+                ),
             )
         if accumulating:
             self._run_accumulation_step(
@@ -117,19 +122,13 @@ class HostSkipMixin:
 
     def _run_fused_adam_step(self, grads_and_vars):
         """The opt-in step with torch's fused Adam: no host read, no copy."""
-        variables = [v for _, v in grads_and_vars]
-        grads, is_finite = backend_gradients.unscale_and_check_finite(
-            [ops.convert_to_tensor(g) for g, _ in grads_and_vars],
-            variables,
-            self._reciprocal_scale(),
-            [self._unscale_in_step] * len(variables),
-        )
-        self._unscale_in_step = False
-        is_finite = collectives.all_processes_finite(is_finite)
-        grads_and_vars = list(zip(grads, variables))
+        grads_and_vars, is_finite = self._unscale_and_check(grads_and_vars)
         if self.track_overflow:
             self._track_overflow(
-                grads_and_vars, [ops.all(ops.isfinite(g)) for g in grads]
+                grads_and_vars,
+                overflow.exactly_finite_per_gradient(
+                    [g for g, _ in grads_and_vars]
+                ),
             )
         # Stage 5 (stateless transforms only, see `_runs_fused_adam`): on
         # a skipped step what it computes is discarded by the kernel.

@@ -177,6 +177,17 @@ def finite_per_gradient(grads):
     ]
 
 
+def exactly_finite_per_gradient(grads):
+    """As `finite_per_gradient`, by `isfinite` of every value: exact where
+    a sum of finite values could overflow (PyTorch's host-decided steps,
+    which check only on the steps that overflowed)."""
+    return [
+        ops.all(ops.isfinite(backend_gradients.gradient_values(g)))
+        for g in grads
+        if g is not None
+    ]
+
+
 def all_of(checks):
     if not checks:
         return ops.convert_to_tensor(True)
