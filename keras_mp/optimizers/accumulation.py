@@ -88,6 +88,12 @@ class AccumulationMixin:
         window_finite, last, apply = flags
         micro_steps = base._iterations
         accumulators = _keras_internals.accumulated_gradients(base)
+        # Under `no_sync` each process's accumulators hold only its own
+        # micro-gradients: averaged across processes before the last
+        # micro-step's update, every process applies the global window. A
+        # discarded window (its last micro-step, not applied) empties the
+        # accumulators and starts again: `iterations` counts applied
+        # updates only.
         if on_host is None:
             # Non-finite micro-gradients are accumulated as zeros (the
             # window is discarded anyway), so the accumulators stay finite.
@@ -103,25 +109,8 @@ class AccumulationMixin:
                 )
                 for g, v in grads_and_vars
             ]
-            # Under `no_sync` each process's accumulators also hold only
-            # its own micro-gradients: averaged across processes before the
-            # last micro-step's update, every process applies the global
-            # window.
             collectives.average_across_processes_where(last, accumulators)
             self.apply_if(apply, safe)
-        else:
-            finite, apply_now, last_now = on_host
-            if not finite:
-                grads_and_vars = [
-                    (None if g is None else ops.zeros_like(g), v)
-                    for g, v in grads_and_vars
-                ]
-            collectives.average_across_processes_where(last_now, accumulators)
-            self.apply_if(apply_now, grads_and_vars)
-        # A discarded window (its last micro-step, not applied) empties the
-        # accumulators and starts again: `iterations` counts applied
-        # updates only.
-        if on_host is None:
             discard = ops.logical_and(last, ops.logical_not(window_finite))
             for accumulator in accumulators:
                 value = accumulator.value
@@ -134,11 +123,20 @@ class AccumulationMixin:
                 )
             )
             self._skipped_steps.assign_add(ops.cast(discard, "int32"))
-        elif not apply_now:
-            for accumulator in accumulators:
-                accumulator.assign(ops.zeros_like(accumulator.value))
-            micro_steps.assign(micro_steps.value - (steps - 1))
-            self._skipped_steps.assign_add(1)
+        else:
+            finite, apply_now, last_now = on_host
+            if not finite:
+                grads_and_vars = [
+                    (None if g is None else ops.zeros_like(g), v)
+                    for g, v in grads_and_vars
+                ]
+            collectives.average_across_processes_where(last_now, accumulators)
+            self.apply_if(apply_now, grads_and_vars)
+            if not apply_now:
+                for accumulator in accumulators:
+                    accumulator.assign(ops.zeros_like(accumulator.value))
+                micro_steps.assign(micro_steps.value - (steps - 1))
+                self._skipped_steps.assign_add(1)
         self._update_loss_scale_where(last, window_finite)
         self._window_finite.assign(
             ops.cast(ops.logical_or(last, window_finite), "int32")
