@@ -35,7 +35,6 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import argparse
-import platform
 import statistics
 import time
 import warnings
@@ -44,6 +43,7 @@ import keras
 import numpy as np
 
 import keras_mp
+from keras_mp.testing import describe_machine
 
 RECIPES = {
     "fp8_current_tensorwise": dict(granularity="tensorwise"),
@@ -193,19 +193,6 @@ def run(args):
             seconds = fit_seconds(models[variant], data, args)
             step_times[variant].append(seconds / args.steps)
     return step_times
-
-
-def describe_machine():
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"
 
 
 def format_table(args, step_times):

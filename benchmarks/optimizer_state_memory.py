@@ -34,7 +34,6 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import argparse
-import platform
 import statistics
 import time
 import warnings
@@ -44,6 +43,7 @@ import numpy as np
 
 import keras_mp
 from keras_mp.backend import memory
+from keras_mp.testing import describe_machine
 
 VARIANTS = (
     "float32_adam",
@@ -140,19 +140,6 @@ def fit_seconds(model, data):
     start = time.perf_counter()
     model.fit(x, y, batch_size=BATCH_SIZE, epochs=1, shuffle=False, verbose=0)
     return time.perf_counter() - start
-
-
-def describe_machine():
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"
 
 
 def run(args):

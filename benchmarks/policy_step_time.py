@@ -33,7 +33,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import argparse
 import functools
-import platform
 import statistics
 import time
 import warnings
@@ -42,6 +41,7 @@ import keras
 import numpy as np
 
 import keras_mp
+from keras_mp.testing import describe_machine
 
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 MODELS = ("mlp", "convnet")
@@ -169,19 +169,6 @@ def run(args):
             )
             step_times[name, policy].append(seconds / steps)
     return step_times
-
-
-def describe_machine():
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"
 
 
 def format_table(args, step_times):

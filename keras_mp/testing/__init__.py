@@ -4,6 +4,7 @@ import collections
 import contextlib
 import os
 import pathlib
+import platform
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,7 @@ __all__ = [
     "assert_bitwise_equal",
     "assert_close",
     "count_host_syncs",
+    "describe_machine",
     "run_python",
     "run_script",
     "script_backend",
@@ -64,6 +66,20 @@ def apply_as_fit(optimizer, grads, variables, scale_loss=False):
         variable.assign(value)
     for variable, value in zip(optimizer.variables, new_optimizer_values):
         variable.assign(value)
+
+
+def describe_machine():
+    """The CPU's model name and core count, for a benchmark's header."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"
 
 
 def to_numpy(value):
