@@ -26,6 +26,7 @@ def pytest_report_header(config):
 
 def pytest_collection_modifyitems(config, items):
     backend = keras.backend.backend()
+    _slow_modules_first(items)
     for item in items:
         marker = item.get_closest_marker("backends")
         if marker is not None and backend not in marker.args:
@@ -33,6 +34,68 @@ def pytest_collection_modifyitems(config, items):
                 pytest.mark.skip(
                     reason=f"runs on {marker.args}, not on {backend}"
                 )
+            )
+
+
+def _slow_modules_first(items):
+    """Orders the modules by their number of `slow` tests, most first.
+
+    pytest-xdist hands tests to whichever worker is free, in this order:
+    the scripts run in fresh interpreters (guides, examples, benchmarks)
+    and the multi-process tests then start early and the short tests fill
+    in behind them, instead of a 30-second test starting last while the
+    other worker idles. Each module's tests keep their order and stay
+    together (its module fixtures are built once), and every worker
+    computes the same order.
+    """
+    slow = {}
+    for item in items:
+        count = slow.setdefault(item.path, 0)
+        slow[item.path] = count + (item.get_closest_marker("slow") is not None)
+    first_seen = {path: index for index, path in enumerate(slow)}
+    items.sort(key=lambda item: (-slow[item.path], first_seen[item.path]))
+
+
+# pytest 9.2 with pytest-xdist 3.8 silently ignores `xdist_group` marks
+# (pytest-dev/pytest-xdist#1386); pyproject.toml pins pytest below it.
+_LOADGROUP_BROKEN_FROM = (9, 2)
+
+
+def _ignored_groups_message(detail):
+    return (
+        f"pytest {pytest.__version__} with pytest-xdist ignores `xdist_group` "
+        f"marks (pytest-dev/pytest-xdist#1386){detail}, so module fixtures "
+        "that spawn processes would be built on every worker. Install the "
+        'pytest version pyproject.toml pins: pip install -e ".[test]".'
+    )
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):
+        return  # Workers are checked by `pytest_collection_finish`.
+    version = tuple(int(p) for p in pytest.__version__.split(".")[:2])
+    if (
+        config.getoption("dist", None) == "loadgroup"
+        and version >= _LOADGROUP_BROKEN_FROM
+    ):
+        raise pytest.UsageError(_ignored_groups_message(""))
+
+
+def pytest_collection_finish(session):
+    """Fails a pytest-xdist worker whose `xdist_group` marks do nothing.
+
+    `--dist loadgroup` runs a group's tests on one worker, so that a module
+    fixture (e.g. the processes of `multiprocess_test.py`) is built once.
+    With pytest 9.2 and pytest-xdist 3.8 the marks are silently ignored
+    (pytest-dev/pytest-xdist#1386): every worker builds those fixtures
+    again, and the suite runs slower with nothing failing.
+    """
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    for item in session.items:
+        if item.get_closest_marker("xdist_group") and "@" not in item.nodeid:
+            raise pytest.UsageError(
+                _ignored_groups_message(f": {item.nodeid} is in no group")
             )
 
 
