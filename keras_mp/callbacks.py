@@ -338,7 +338,8 @@ class FP8Report(keras.callbacks.Callback):
         flushed: The largest flushed fraction that passes silently.
             Defaults to `0.01`.
         every: `"epoch"`, or a positive int: every that many training
-            batches. Defaults to `"epoch"`.
+            batches (counted within each epoch, as Keras numbers them).
+            Defaults to `"epoch"`.
         print_fn: Function that prints a line. Defaults to `print`.
 
     Example:

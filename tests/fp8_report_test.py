@@ -307,6 +307,25 @@ def test_fit_holds_each_steps_statistics_in_the_carrier():
     )
 
 
+def test_statistics_change_no_number_of_the_training():
+    def trained(stats):
+        keras.utils.set_random_seed(0)
+        policy = keras_mp.Policy(
+            "mixed_bfloat16", fp8=fp8.Recipe(granularity="rowwise", stats=stats)
+        )
+        model = _two_layer_model(policy)
+        model.compile(keras.optimizers.AdamW(1e-2), loss="mse")
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(8, 32)).astype("float32")
+        for _ in range(3):
+            model.train_on_batch(x, rng.normal(size=(8, 1)).astype("float32"))
+        return [w for w in model.weights if not w.path.endswith("fp8_stats")]
+
+    for got, want in zip(trained(True), trained(False), strict=True):
+        assert got.path == want.path
+        assert_bitwise_equal(to_numpy(got), to_numpy(want), got.path)
+
+
 def test_a_layer_called_twice_in_a_step_sums_its_counts():
     shared = keras.layers.Dense(32, dtype=_stats_policy(), name="shared")
     x = keras.Input((32,))

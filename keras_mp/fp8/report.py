@@ -95,8 +95,11 @@ class FP8Report:
         ]
 
     def __str__(self):
+        # As wide as the longest layer path: each row names its layer.
+        paths = [row.layer for row in self.rows] + [n[0] for n in self.notes]
+        width = max([len("layer"), *map(len, paths)])
         header = (
-            f"{'layer':<24} {'tensor':<15} {'format':<6} "
+            f"{'layer':<{width}} {'tensor':<15} {'format':<6} "
             f"{'amax':>21} {'scale':>9} {'saturated':>9} {'flushed':>9} "
             f"{'count':>9}"
         )
@@ -104,12 +107,12 @@ class FP8Report:
         for row in self.rows:
             amax = f"{row.amax_low:.3g}..{row.amax_high:.3g}"
             lines.append(
-                f"{row.layer:<24.24} {row.tensor:<15} {row.format:<6} "
+                f"{row.layer:<{width}} {row.tensor:<15} {row.format:<6} "
                 f"{amax:>21} {row.scale:>9.3g} {row.saturated:>9.2%} "
                 f"{row.flushed:>9.2%} {row.count:>9d}"
             )
         for layer, why in self.notes:
-            lines.append(f"{layer:<24.24} {why}")
+            lines.append(f"{layer:<{width}} {why}")
         return "\n".join(lines)
 
     def __repr__(self):
