@@ -12,6 +12,7 @@ import pytest
 from keras import ops
 
 import keras_mp
+import keras_mp.testing
 from keras_mp import fp8
 from keras_mp.fp8 import stats as fp8_stats
 from keras_mp.testing import assert_bitwise_equal
@@ -364,6 +365,37 @@ def test_under_loss_scaling_the_gradient_row_is_loss_scale_free():
     assert plain[2, 512] == 16 * 16
 
 
+@pytest.mark.parametrize("loop", ["fit", "get_unscaled_gradients"])
+def test_both_loop_styles_store_the_statistics_loss_scale_free(loop):
+    """`fit` scales the loss and lets the optimizer unscale; an RFC 293
+    loop unscales every gradient itself, the carrier's counts too."""
+    model = _two_layer_model(_stats_policy())
+    layer = model.get_layer("fp8")
+    variables = [layer.kernel, _carrier(layer)]
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    optimizer.build(variables)
+    scale = 2.0**15
+    stats = np.zeros(SHAPE, "float32")
+    stats[:, [300, 280, 240]] = np.eye(3, dtype="float32")
+    stats[:, 512:] = [[256, 3, 0], [512, 1, 0], [128, 5, 0]]
+    scaled = stats.copy()
+    scaled[2, 240], scaled[2, 270] = 0.0, 1.0  # 2 * log2(scale) bins up
+    kernel_gradient = np.full((32, 16), scale, "float32")
+    if loop == "fit":
+        keras_mp.testing.apply_as_fit(
+            optimizer, [kernel_gradient, scaled], variables, scale_loss=True
+        )
+    else:
+        grads = optimizer.get_unscaled_gradients(
+            [
+                ops.convert_to_tensor(kernel_gradient),
+                ops.convert_to_tensor(scaled),
+            ]
+        )
+        optimizer.apply_gradients(zip(grads, variables))
+    np.testing.assert_array_equal(to_numpy(variables[1]), stats)
+
+
 def test_an_inf_output_gradient_skips_the_step_and_keeps_the_carrier():
     """As in fp8_layers_test: targets of 1e4 make the float16 output
     gradient of the FP8 layer overflow under a loss scale of 2**15."""
@@ -393,7 +425,7 @@ def test_an_inf_output_gradient_skips_the_step_and_keeps_the_carrier():
     assert_bitwise_equal(to_numpy(carrier), before)
 
 
-def test_the_weights_file_round_trips_the_carrier(tmp_path):
+def test_weights_and_keras_files_round_trip_the_carrier(tmp_path):
     def trained(steps):
         keras.utils.set_random_seed(0)
         model = _two_layer_model(_stats_policy())
@@ -412,6 +444,15 @@ def test_the_weights_file_round_trips_the_carrier(tmp_path):
     for got, want in zip(fresh.get_weights(), model.get_weights(), strict=True):
         assert_bitwise_equal(got, want)
     assert to_numpy(_carrier(fresh.get_layer("fp8"))).any()
+    keras_path = str(tmp_path / "model.keras")
+    model.save(keras_path)
+    restored = keras.models.load_model(keras_path)
+    assert restored.get_layer("fp8").dtype_policy.fp8.stats
+    assert [w.path for w in restored.weights] == [w.path for w in model.weights]
+    for got, want in zip(
+        restored.get_weights(), model.get_weights(), strict=True
+    ):
+        assert_bitwise_equal(got, want)
 
 
 # ------------------------------------------------------------------ report

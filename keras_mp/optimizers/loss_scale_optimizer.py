@@ -355,6 +355,9 @@ class LossScaleOptimizer(
     # ------------------------------------------------------------- pipeline
     def apply_gradients(self, grads_and_vars, skip_gradients_aggregation=False):
         grads_and_vars = [(g, v) for g, v in grads_and_vars]
+        # `get_unscaled_gradients` divided every gradient, the FP8
+        # statistics carriers' too (it is given no variables).
+        self._stats_divided = self._step_record.gradients_unscaled
         self._unscale_in_step = self._gradients_need_unscaling()
         return super().apply_gradients(
             grads_and_vars,
@@ -409,13 +412,21 @@ class LossScaleOptimizer(
         """The FP8 statistics carriers' gradients with the output gradient's
         amax histogram moved back by the loss scale (their counts need no
         unscaling), so the carrier holds them loss-scale-free. Keras's own
-        LossScaleOptimizer leaves them loss-scaled."""
+        LossScaleOptimizer leaves them loss-scaled. Counts that
+        `get_unscaled_gradients` divided by the (power-of-two) scale are
+        multiplied back first, exactly."""
         if not any(fp8_stats.is_carrier(v) for _, v in grads_and_vars):
             return grads_and_vars
         scale = self._loss_scale()
+
+        def loss_scale_free(g):
+            if self._stats_divided:
+                g = ops.multiply(g, scale)
+            return fp8_stats.remove_loss_scale(g, scale)
+
         return [
             (
-                fp8_stats.remove_loss_scale(g, scale)
+                loss_scale_free(g)
                 if g is not None and fp8_stats.is_carrier(v)
                 else g,
                 v,
@@ -424,7 +435,7 @@ class LossScaleOptimizer(
         ]
 
     def run_step(self, grads_and_vars):
-        if self._unscale_in_step:
+        if self._unscale_in_step or self._stats_divided:
             grads_and_vars = self._loss_scale_free_stats(grads_and_vars)
         if not self._loss_scale.is_dynamic:
             # A fixed scale never skips (RFC 293).
