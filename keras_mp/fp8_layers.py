@@ -297,13 +297,46 @@ def _save_hook(original):
     return save_own_variables
 
 
+class _StoreView:
+    """Some entries of a weights store, as Dense's loader reads it: a file
+    saved with or without statistics loads into a layer with or without
+    them (a carrier missing from the file keeps its value)."""
+
+    def __init__(self, store, keys):
+        self._store = store
+        self._keys = list(keys)
+
+    def keys(self):
+        return list(self._keys)
+
+    def __len__(self):
+        return len(self._keys)
+
+    def __getitem__(self, key):
+        return self._store[key]
+
+
 def _load_hook(original):
     @functools.wraps(original)
     def load_own_variables(self, store):
-        original(self, store)
         carrier = stats_carrier(self)
-        if carrier is not None:
-            carrier.assign(store[str(len(store.keys()) - 1)])
+        keys = [str(i) for i in range(len(store.keys()))]
+        own = len(_keras_internals.own_variables(self))
+        last = keys[-1] if keys else None
+        saved = (
+            last is not None
+            and tuple(getattr(store[last], "shape", ())) == stats_module.SHAPE
+        )
+        if carrier is not None and saved and len(keys) == own:
+            original(self, store)
+            carrier.assign(store[last])
+        elif carrier is not None and len(keys) == own - 1:
+            # Never read: Dense reads its own entries by index.
+            original(self, _StoreView(store, [*keys, "fp8_stats"]))
+        elif carrier is None and saved and len(keys) == own + 1:
+            original(self, _StoreView(store, keys[:-1]))
+        else:
+            original(self, store)
 
     return load_own_variables
 

@@ -455,6 +455,39 @@ def test_weights_and_keras_files_round_trip_the_carrier(tmp_path):
         assert_bitwise_equal(got, want)
 
 
+def test_weights_saved_with_or_without_statistics_load_either_way(tmp_path):
+    def model(stats):
+        keras.utils.set_random_seed(0)
+        return _two_layer_model(_stats_policy() if stats else None)
+
+    with_stats = model(True)
+    with_stats.compile(keras.optimizers.SGD(0.1), loss="mse")
+    x = np.random.default_rng(0).normal(size=(8, 32)).astype("float32")
+    with_stats.train_on_batch(x, np.ones((8, 1), "float32"))
+    path = str(tmp_path / "stats.weights.h5")
+    with_stats.save_weights(path)
+    without = model(False)
+    without.load_weights(path)
+    for got, want in zip(
+        without.get_weights(),
+        [w for w in with_stats.weights if not w.path.endswith("fp8_stats")],
+        strict=True,
+    ):
+        assert_bitwise_equal(got, to_numpy(want))
+    path = str(tmp_path / "plain.weights.h5")
+    without.save_weights(path)
+    fresh = model(True)
+    fresh.load_weights(path)
+    carrier = _carrier(fresh.get_layer("fp8"))
+    assert not to_numpy(carrier).any()  # Nothing was counted in that file.
+    for got, want in zip(
+        [w for w in fresh.weights if w is not carrier],
+        without.weights,
+        strict=True,
+    ):
+        assert_bitwise_equal(to_numpy(got), to_numpy(want))
+
+
 # ------------------------------------------------------------------ report
 def _outlier_data(rows=256, channels=512, outlier=7):
     """As the guide's section 3: one channel 1000x the others."""
