@@ -26,7 +26,8 @@ Autodiff sums a carrier's gradient over the calls of a layer in a step, and
 keras_mp takes the max of overwritten gradients across replicas and
 accumulation steps: the highest non-empty bin is the step's amax under both,
 the counts are the step's under the sum, and under the max those of the
-worst replica or micro-step.
+worst replica or micro-step. Counts are float32: exact up to 2**24 values
+per tensor, beyond that within a relative 2**-24 (fractions stay right).
 
 Imports only `keras_mp.backend` and `keras_mp.fp8.quantize`.
 """
