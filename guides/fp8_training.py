@@ -12,7 +12,8 @@ in order:
 1. turning FP8 on with `set_global_policy(..., fp8=...)`, and which layers
    the default rules give it (`explain_precision`);
 2. the loss of each recipe against mixed_bfloat16 on the same seed, with a
-   PNG of the loss curves;
+   PNG of the loss curves, and `keras_mp.fp8.report`: what each FP8 layer's
+   input, kernel and output gradient looked like in the last step;
 3. what granularity buys: one outlier channel 1000x the others, and the
    error of each recipe's GEMM;
 4. `fp8.quantize`, the building block: codes, scales, and why inf and NaN
@@ -180,8 +181,17 @@ def train(recipe, train_data, eval_data, steps):
 # from this step's amax, no state), one scale per tensor, E4M3 forward and
 # E5M2 for output gradients.
 
+#
+# `stats=True` (the tensorwise run below) makes each FP8 layer count, inside
+# the training step, its tensors' amax and how many values were flushed to
+# zero or saturated; `keras_mp.fp8.report(model)` reads them after training.
+# The counts change no number of the training (the tensorwise run's loss is
+# the same without them); they cost a few reductions per GEMM. During `fit`,
+# `keras_mp.callbacks.FP8Report(saturated=0.001, flushed=0.01)` prints the
+# same table at the end of an epoch where a fraction passes its threshold.
+
 RECIPES = {
-    "tensorwise": keras_mp.fp8.Recipe(granularity="tensorwise"),
+    "tensorwise": keras_mp.fp8.Recipe(granularity="tensorwise", stats=True),
     "rowwise": keras_mp.fp8.Recipe(granularity="rowwise"),
     "block": keras_mp.fp8.Recipe(granularity="block"),
     "e4m3 tensorwise": keras_mp.fp8.Recipe(formats="e4m3"),
@@ -299,12 +309,18 @@ def main(argv=None):
     print(f"{'recipe':<18} {'eval loss':>10} {'gap (nats)':>11}")
     print(f"{'mixed_bfloat16':<18} {base_loss:>10.4f} {'':>11}")
     for name, recipe in RECIPES.items():
-        _, curve, loss = train(recipe, train_data, eval_data, args.steps)
+        model, curve, loss = train(recipe, train_data, eval_data, args.steps)
         curves[f"fp8 {name}"] = curve
         print(f"{name:<18} {loss:>10.4f} {loss - base_loss:>+11.4f}")
+        if recipe.stats:
+            counted = model
     keras_mp.set_global_policy(None)
     plot(curves, args.plot)
     print(f"Loss curves: {args.plot}")
+    # Amax as the range of a power-of-two bin; its exact scale; the
+    # fractions of values saturated and flushed to zero, last step.
+    print("\nWhat the tensorwise run's FP8 layers saw in its last step:")
+    print(keras_mp.fp8.report(counted))
 
     print("\n## 3. One outlier channel 1000x the others, E4M3")
     print(

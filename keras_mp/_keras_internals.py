@@ -31,6 +31,8 @@ __all__ = [
     "QUANTIZATION_MODES",
     "Trainer",
     "accumulated_gradients",
+    "add_weight_to_built_layer",
+    "all_layers",
     "called_by_keras_saving",
     "get_autocast_scope",
     "in_stateless_scope",
@@ -49,6 +51,7 @@ __all__ = [
     "stored_dtype",
     "torch_builtin_update_state",
     "torch_parallel_optimizer_class",
+    "untrack_variable",
     "variable_autocasts",
     "without_autocast",
 ]
@@ -355,6 +358,39 @@ def own_variables(layer):
     3.15) hold them.
     """
     return [*layer._trainable_variables, *layer._non_trainable_variables]
+
+
+def all_layers(layer):
+    """`layer` and every layer inside it, depth first.
+
+    `Layer._flatten_layers` (keras 3.0 - 3.15).
+    """
+    return list(layer._flatten_layers(include_self=True))
+
+
+def add_weight_to_built_layer(layer, **kwargs):
+    """`layer.add_weight(**kwargs)`, also once `layer` is built.
+
+    A built layer's `_tracker` (keras 3.0 - 3.15) is locked against new
+    state; it is unlocked for this one variable, as `Layer.quantize` and
+    `_untrack_variable` do.
+    """
+    locked = layer._tracker.locked
+    layer._tracker.unlock()
+    try:
+        return layer.add_weight(**kwargs)
+    finally:
+        if locked:
+            layer._tracker.lock()
+
+
+def untrack_variable(layer, variable):
+    """Removes a variable `layer` created from its variables.
+
+    `Layer._untrack_variable` (keras 3.0 - 3.15) also unregisters it from the
+    torch module of the layer on PyTorch.
+    """
+    layer._untrack_variable(variable)
 
 
 def replace_layer_policy(layer, policy):

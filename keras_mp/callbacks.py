@@ -1,19 +1,22 @@
-"""Callbacks that make loss scaling visible in `fit` logs.
+"""Callbacks that make loss scaling and FP8 visible in `fit` logs.
 
-Imports from keras_mp only `backend.training_state`,
+Imports from keras_mp only `backend.training_state`, `fp8.report`,
 `optimizers.loss_scale_optimizer`, `optimizers.overflow`, `optimizers.wrapper`;
 nothing above its floor (see ARCHITECTURE.md).
 """
+
+import numbers
 
 import keras
 from keras import ops
 
 from keras_mp.backend import training_state
+from keras_mp.fp8.report import report as fp8_report
 from keras_mp.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras_mp.optimizers.overflow import overflow_records
 from keras_mp.optimizers.wrapper import OptimizerWrapper
 
-__all__ = ["LossScaleLogger", "OverflowReport"]
+__all__ = ["FP8Report", "LossScaleLogger", "OverflowReport"]
 
 
 def add_loss_scale_logger(callbacks, optimizer):
@@ -303,3 +306,88 @@ class OverflowReport(keras.callbacks.Callback):
             "non-finite gradients. Variables whose gradients overflowed "
             "most (since training began):\n" + str(records)
         )
+
+
+def _check_fraction(name, value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not 0 <= value <= 1
+    ):
+        raise ValueError(
+            f"`{name}` is a fraction of values, a number in [0, 1]. "
+            f"Received: {name}={value!r}. Pass e.g. {name}=0.01 (1%)."
+        )
+    return float(value)
+
+
+class FP8Report(keras.callbacks.Callback):
+    """Prints `keras_mp.fp8.report(model)` when an FP8 tensor is in trouble.
+
+    At the end of each epoch (or every `every` training batches), reads the
+    FP8 statistics of the last step (`keras_mp.fp8.report`; the one host
+    read, only then) and prints the table when a layer's input, kernel or
+    output gradient has more than `saturated` of its values saturated or
+    more than `flushed` of them flushed to zero; otherwise prints nothing.
+    The model's FP8 layers must count statistics:
+    `keras_mp.fp8.Recipe(stats=True)` (checked when training begins).
+
+    Args:
+        saturated: The largest saturated fraction that passes silently.
+            Defaults to `0.001`.
+        flushed: The largest flushed fraction that passes silently.
+            Defaults to `0.01`.
+        every: `"epoch"`, or a positive int: every that many training
+            batches (counted within each epoch, as Keras numbers them).
+            Defaults to `"epoch"`.
+        print_fn: Function that prints a line. Defaults to `print`.
+
+    Example:
+
+    >>> callback = keras_mp.callbacks.FP8Report(flushed=0.05)
+    >>> callback.flushed
+    0.05
+    """
+
+    def __init__(
+        self, saturated=0.001, flushed=0.01, every="epoch", print_fn=None
+    ):
+        super().__init__()
+        self.saturated = _check_fraction("saturated", saturated)
+        self.flushed = _check_fraction("flushed", flushed)
+        if every != "epoch" and (
+            isinstance(every, bool) or not isinstance(every, int) or every < 1
+        ):
+            raise ValueError(
+                '`every` is "epoch" or a positive int (a number of training '
+                f'batches). Received: every={every!r}. Pass every="epoch" '
+                "or e.g. every=100."
+            )
+        if print_fn is not None and not callable(print_fn):
+            raise ValueError(
+                "`print_fn` is a function that prints a line, or None for "
+                f"`print`. Received: print_fn={print_fn!r}."
+            )
+        self.every = every
+        self.print_fn = print_fn or print
+
+    def on_train_begin(self, logs=None):
+        # Raises ValueError, with the fix, for a model without statistics.
+        fp8_report(self.model)
+
+    def _check(self, when):
+        found = fp8_report(self.model)
+        if found.flagged(saturated=self.saturated, flushed=self.flushed):
+            self.print_fn(
+                f"{when}: FP8 values over threshold (saturated > "
+                f"{self.saturated:g} or flushed > {self.flushed:g}):\n"
+                + str(found)
+            )
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.every != "epoch" and (batch + 1) % self.every == 0:
+            self._check(f"Batch {batch + 1}")
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.every == "epoch":
+            self._check(f"Epoch {epoch + 1}")

@@ -12,6 +12,10 @@ applies the activation in the compute dtype as Keras does. Everything else,
 Keras's own quantized layers included (Keras routes them to
 `quantized_call`, never to `call`), runs Keras's `call` unchanged. The hooks
 are installed once, on the classes, when keras_mp is imported.
+
+A layer whose recipe has `stats=True` also owns a statistics carrier (see
+`keras_mp/fp8/stats.py`), the `fp8_stats` variable, passed to its GEMM; it
+is saved after the layer's other variables.
 """
 
 import functools
@@ -22,6 +26,7 @@ from keras_mp import _keras_internals
 from keras_mp import fp8
 from keras_mp import policy as policy_module
 from keras_mp.fp8 import rules as rules_module
+from keras_mp.fp8 import stats as stats_module
 from keras_mp.policy import Policy
 
 has_gemm = rules_module.has_gemm
@@ -118,9 +123,47 @@ def check_layer(layer):
 
 
 def check_model(model):
-    """`check_layer` for `model` and each of its layers."""
+    """`check_layer` for `model` and each of its layers, whose statistics
+    carriers then follow their (now decided) recipes."""
     for layer in [model, *model._flatten_layers(include_self=False)]:
         check_layer(layer)
+        if layer.built:
+            sync_stats_carrier(layer)
+
+
+def stats_carrier(layer):
+    """The statistics carrier variable of `layer`, or None."""
+    own = _keras_internals.own_variables(layer)
+    return next((v for v in own if stats_module.is_carrier(v)), None)
+
+
+def sync_stats_carrier(layer):
+    """Gives a built FP8 layer whose recipe has `stats=True` its carrier
+    (see `keras_mp/fp8/stats.py`), and takes it from any other layer.
+
+    Called when the layer builds and when its model is built, where
+    `decide` may take a recipe back (from the model's output layers): a
+    layer without an FP8 recipe never keeps a carrier.
+    """
+    recipe = layer_recipe(layer)
+    wanted = recipe is not None and recipe.stats and has_gemm(layer)
+    carrier = stats_carrier(layer)
+    if wanted and carrier is None:
+        # A layer may be given its recipe after it was built (a path rule
+        # applied when its model is built).
+        carrier = _keras_internals.add_weight_to_built_layer(
+            layer,
+            name="fp8_stats",
+            shape=stats_module.SHAPE,
+            initializer="zeros",
+            dtype="float32",
+            trainable=True,
+            autocast=False,
+            overwrite_with_gradient=True,
+        )
+        carrier._keras_mp_fp8_stats = True
+    elif carrier is not None and not wanted:
+        _keras_internals.untrack_variable(layer, carrier)
 
 
 def _call_recipe(layer):
@@ -161,6 +204,13 @@ def _stored(variable):
         return keras.ops.copy(variable)
 
 
+def _stats_input(layer, recipe):
+    if not recipe.stats:
+        return None
+    carrier = stats_carrier(layer)
+    return None if carrier is None else _stored(carrier)
+
+
 def _bias_and_activation(layer, x):
     if layer.bias is not None:
         x = keras.ops.add(x, layer.bias)
@@ -185,6 +235,7 @@ def _install_call_hooks():
             _stored(self.kernel),
             recipe=recipe,
             output_dtype=self.compute_dtype,
+            stats=_stats_input(self, recipe),
         )
         return _bias_and_activation(self, x)
 
@@ -199,6 +250,7 @@ def _install_call_hooks():
             _stored(self.kernel),
             recipe=recipe,
             output_dtype=self.compute_dtype,
+            stats=_stats_input(self, recipe),
         )
         return _bias_and_activation(self, x)
 
@@ -214,6 +266,8 @@ def _install_build_hooks():
         if getattr(original, "_keras_mp_hook", False):
             continue
         cls.build = _build_hook(original)
+        cls.save_own_variables = _save_hook(cls.save_own_variables)
+        cls.load_own_variables = _load_hook(cls.load_own_variables)
 
 
 def _build_hook(original):
@@ -223,9 +277,68 @@ def _build_hook(original):
         # The GEMM's dimensions (and a map entry's path) are known now.
         decide(self)
         check_layer(self)
+        sync_stats_carrier(self)
 
     build._keras_mp_hook = True
     return build
+
+
+# Dense and EinsumDense save and load their variables by a list of names
+# (kernel, bias, quantization state) and check that the file holds as many
+# entries as the layer has variables: the carrier goes last.
+def _save_hook(original):
+    @functools.wraps(original)
+    def save_own_variables(self, store):
+        original(self, store)
+        carrier = stats_carrier(self)
+        if carrier is not None:
+            store[str(len(store.keys()))] = carrier
+
+    return save_own_variables
+
+
+class _StoreView:
+    """Some entries of a weights store, as Dense's loader reads it: a file
+    saved with or without statistics loads into a layer with or without
+    them (a carrier missing from the file keeps its value)."""
+
+    def __init__(self, store, keys):
+        self._store = store
+        self._keys = list(keys)
+
+    def keys(self):
+        return list(self._keys)
+
+    def __len__(self):
+        return len(self._keys)
+
+    def __getitem__(self, key):
+        return self._store[key]
+
+
+def _load_hook(original):
+    @functools.wraps(original)
+    def load_own_variables(self, store):
+        carrier = stats_carrier(self)
+        keys = [str(i) for i in range(len(store.keys()))]
+        own = len(_keras_internals.own_variables(self))
+        last = keys[-1] if keys else None
+        saved = (
+            last is not None
+            and tuple(getattr(store[last], "shape", ())) == stats_module.SHAPE
+        )
+        if carrier is not None and saved and len(keys) == own:
+            original(self, store)
+            carrier.assign(store[last])
+        elif carrier is not None and len(keys) == own - 1:
+            # Never read: Dense reads its own entries by index.
+            original(self, _StoreView(store, [*keys, "fp8_stats"]))
+        elif carrier is None and saved and len(keys) == own + 1:
+            original(self, _StoreView(store, keys[:-1]))
+        else:
+            original(self, store)
+
+    return load_own_variables
 
 
 _install_call_hooks()

@@ -13,6 +13,7 @@ NON_DEFAULT = {
     "margin": 2,
     "amax_history": 16,
     "amax_algo": "most_recent",
+    "stats": True,
 }
 
 

@@ -76,6 +76,26 @@ class TestImports:
             assert autocasting.dtype == "float16"
             assert _keras_internals.stored_dtype(autocasting) == "float32"
 
+    def test_untrack_variable_and_all_layers(self):
+        layer = keras.layers.Dense(2)
+        layer.build((None, 3))
+        with pytest.raises(ValueError, match="already built"):
+            layer.add_weight(shape=(2,), initializer="zeros")
+        extra = _keras_internals.add_weight_to_built_layer(
+            layer, shape=(2,), initializer="zeros", name="extra"
+        )
+
+        def own():
+            return [v.path for v in _keras_internals.own_variables(layer)]
+
+        assert own() == ["dense/kernel", "dense/bias", "dense/extra"]
+        _keras_internals.untrack_variable(layer, extra)
+        assert own() == ["dense/kernel", "dense/bias"]
+        assert [v.path for v in layer.weights] == ["dense/kernel", "dense/bias"]
+        model = keras.Sequential([keras.Input((3,)), layer])
+        layers = _keras_internals.all_layers(model)
+        assert layers[0] is model and layers[-1] is layer
+
     def test_autocast_scope_is_the_one_layers_use(self):
         scope = _keras_internals.AutocastScope("bfloat16")
         with scope:

@@ -41,6 +41,7 @@ _ALLOWED = {
         "keras_mp.backend",
         "keras_mp.transforms",
         "keras_mp.loss_scale",
+        "keras_mp.fp8",
     ),
 }
 

@@ -8,6 +8,8 @@ or, for DeepSeek-V3's blocks, per 128-long chunk of the contracted axis,
 each chunk's partial product times its own scales before the chunks are
 summed. Scales are powers of two, so multiplying by them is exact and a
 loss scale passes through the backward GEMMs without changing a code.
+Given a statistics carrier (`stats.py`), the custom gradient also returns
+the statistics of the quantizations as the carrier's gradient.
 
 Imports only `keras_mp.backend` and its `keras_mp.fp8` siblings.
 """
@@ -17,20 +19,31 @@ from keras import ops
 
 from keras_mp.backend import fp8 as fp8_backend
 from keras_mp.fp8 import recipe as recipe_module
+from keras_mp.fp8 import stats as stats_module
 from keras_mp.fp8.quantize import check_float
 from keras_mp.fp8.quantize import quantize_reduced
 from keras_mp.fp8.recipe import BLOCK_SIZE
 
 
-def _tensorwise(x, w, recipe):
+def _observe(rows, name, x, codes, scale, fmt):
+    """Records the statistics row of one quantization, when `rows` (a
+    dict) asks for them; nothing at all when it is None."""
+    if rows is not None:
+        rows[name] = stats_module.tensor_row(x, codes, scale, fmt)
+
+
+def _tensorwise(x, w, recipe, rows):
     """One scale per tensor; the forward codes serve the backward GEMMs."""
     forward, backward, margin = _formats(recipe)
     cx, sx = quantize_reduced(x, forward, None, margin)
     cw, sw = quantize_reduced(w, forward, None, margin)
+    _observe(rows, "input", x, cx, sx, forward)
+    _observe(rows, "kernel", w, cw, sw, forward)
     out = fp8_backend.einsum_float32("mk,kn->mn", cx, cw) * sx * sw
 
     def gradients(g):
         cg, sg = quantize_reduced(g, backward, None, margin)
+        _observe(rows, "output_gradient", g, cg, sg, backward)
         dx = fp8_backend.einsum_float32("mn,kn->mk", cg, cw) * sg * sw
         dw = fp8_backend.einsum_float32("mk,mn->kn", cx, cg) * sx * sg
         return dx, dw
@@ -38,16 +51,19 @@ def _tensorwise(x, w, recipe):
     return out, gradients
 
 
-def _rowwise(x, w, recipe):
+def _rowwise(x, w, recipe, rows):
     """One scale per row of each GEMM's contracted axis: each operand is
     quantized again for each GEMM it enters along another axis."""
     forward, backward, margin = _formats(recipe)
     cx, sx = quantize_reduced(x, forward, 1, margin)  # (M, 1)
     cw, sw = quantize_reduced(w, forward, 0, margin)  # (1, N)
+    _observe(rows, "input", x, cx, sx, forward)
+    _observe(rows, "kernel", w, cw, sw, forward)
     out = fp8_backend.einsum_float32("mk,kn->mn", cx, cw) * sx * sw
 
     def gradients(g):
         cg, sg = quantize_reduced(g, backward, 1, margin)  # (M, 1)
+        _observe(rows, "output_gradient", g, cg, sg, backward)
         cw_n, sw_n = quantize_reduced(w, forward, 1, margin)  # (K, 1)
         dx = fp8_backend.einsum_float32("mn,kn->mk", cg, cw_n)
         dx = dx * sg * ops.transpose(sw_n)
@@ -84,7 +100,7 @@ def _sum_tiles(partials):
     return total
 
 
-def _block(x, w, recipe):
+def _block(x, w, recipe, rows):
     """DeepSeek-V3's tiles: 1x128 along the contracted axis for
     activations and output gradients (128x1, 128 tokens, for the kernel
     gradient), 128x128 for the kernel. Each 128-chunk of the contracted
@@ -93,23 +109,21 @@ def _block(x, w, recipe):
     forward, backward, margin = _formats(recipe)
     k, n = w.shape
     tiles_k, tiles_n = k // BLOCK_SIZE, n // BLOCK_SIZE
-    cx, sx = quantize_reduced(
-        ops.reshape(x, (-1, tiles_k, BLOCK_SIZE)), forward, 2, margin
-    )  # sx: (M, tiles_k, 1)
-    cw, sw = quantize_reduced(
-        ops.reshape(w, (tiles_k, BLOCK_SIZE, tiles_n, BLOCK_SIZE)),
-        forward,
-        (1, 3),
-        margin,
-    )  # sw: (tiles_k, 1, tiles_n, 1)
+    tiled_x = ops.reshape(x, (-1, tiles_k, BLOCK_SIZE))
+    tiled_w = ops.reshape(w, (tiles_k, BLOCK_SIZE, tiles_n, BLOCK_SIZE))
+    cx, sx = quantize_reduced(tiled_x, forward, 2, margin)  # (M, tiles_k, 1)
+    # sw: (tiles_k, 1, tiles_n, 1)
+    cw, sw = quantize_reduced(tiled_w, forward, (1, 3), margin)
+    _observe(rows, "input", tiled_x, cx, sx, forward)
+    _observe(rows, "kernel", tiled_w, cw, sw, forward)
     partial = fp8_backend.einsum_float32("mtb,tbjc->tmjc", cx, cw)
     sx_t = ops.expand_dims(ops.transpose(sx, (1, 0, 2)), -1)
     out = ops.reshape(_sum_tiles(partial * sx_t * sw), (-1, n))
 
     def gradients(g):
-        cg, sg = quantize_reduced(
-            ops.reshape(g, (-1, tiles_n, BLOCK_SIZE)), backward, 2, margin
-        )  # sg: (M, tiles_n, 1)
+        tiled_g = ops.reshape(g, (-1, tiles_n, BLOCK_SIZE))
+        cg, sg = quantize_reduced(tiled_g, backward, 2, margin)  # (M, n/128, 1)
+        _observe(rows, "output_gradient", tiled_g, cg, sg, backward)
         partial = fp8_backend.einsum_float32("mjc,tbjc->jmtb", cg, cw)
         sg_t = ops.expand_dims(ops.transpose(sg, (1, 0, 2)), -1)
         sw_t = ops.transpose(sw, (2, 1, 0, 3))
@@ -184,7 +198,7 @@ def _check_operands(x, kernel, recipe, output_dtype):
     return x_dtype, kernel_dtype, output_dtype
 
 
-def dot(x, kernel, recipe=None, output_dtype=None):
+def dot(x, kernel, recipe=None, output_dtype=None, stats=None):
     """`x @ kernel` with FP8 operands in the forward and backward GEMMs.
 
     The forward product quantizes `x` and `kernel` to E4M3; the gradient
@@ -209,6 +223,12 @@ def dot(x, kernel, recipe=None, output_dtype=None):
             (tensorwise, hybrid).
         output_dtype: The dtype of the result. Defaults to `None`, the
             dtype of `x`. Gradients take the dtypes of `x` and `kernel`.
+        stats: A float32 "carrier" of shape `(3, 515)` (an FP8 layer's
+            `fp8_stats` variable, read), or None. Its value is ignored; its
+            gradient is the statistics of this call's quantizations of the
+            input, the kernel and the output gradient (see
+            `keras_mp/fp8/stats.py`). Defaults to `None`: no statistics and
+            no work for them.
 
     Returns:
         A tensor `[..., N]`.
@@ -237,14 +257,13 @@ def dot(x, kernel, recipe=None, output_dtype=None):
     k, n = kernel.shape
     run = _GRANULARITIES[recipe.granularity]
 
-    @ops.custom_gradient
-    def fp8_dot(x, kernel):
+    def forward(x, kernel, rows):
         x_shape = ops.shape(x)
         x2 = ops.reshape(ops.cast(x, "float32"), (-1, k))
-        out, gradients = run(x2, ops.cast(kernel, "float32"), recipe)
+        out, gradients = run(x2, ops.cast(kernel, "float32"), recipe, rows)
         out = ops.reshape(out, (*x_shape[:-1], n))
 
-        def grad(*args, upstream=None):
+        def backward(args, upstream):
             # TensorFlow and JAX pass the output gradient alone; PyTorch
             # passes the inputs, and the output gradient by name.
             if upstream is None:
@@ -254,6 +273,48 @@ def dot(x, kernel, recipe=None, output_dtype=None):
             dx = ops.cast(ops.reshape(dx, x_shape), x_dtype)
             return dx, ops.cast(dw, kernel_dtype)
 
-        return ops.cast(out, output_dtype), grad
+        return ops.cast(out, output_dtype), backward
 
-    return fp8_dot(x, kernel)
+    if stats is None:
+
+        @ops.custom_gradient
+        def fp8_dot(x, kernel):
+            out, backward = forward(x, kernel, None)
+
+            def grad(*args, upstream=None):
+                return backward(args, upstream)
+
+            return out, grad
+
+        return fp8_dot(x, kernel)
+
+    stats = _check_stats(fp8_backend.read_tensor(stats))
+
+    @ops.custom_gradient
+    def fp8_dot_with_stats(x, kernel, stats):
+        rows = {}
+        out, backward = forward(x, kernel, rows)
+
+        def grad(*args, upstream=None):
+            dx, dw = backward(args, upstream)
+            # Filled by `backward` with the output gradient's row.
+            statistics = ops.stack([rows[t] for t in stats_module.TENSORS])
+            return dx, dw, statistics
+
+        return out, grad
+
+    return fp8_dot_with_stats(x, kernel, stats)
+
+
+def _check_stats(stats):
+    if (
+        tuple(stats.shape) != stats_module.SHAPE
+        or keras.backend.standardize_dtype(stats.dtype) != "float32"
+    ):
+        raise ValueError(
+            f"`stats` is a float32 carrier of shape {stats_module.SHAPE}, "
+            "as an FP8 layer with `keras_mp.fp8.Recipe(stats=True)` owns. "
+            f"Received: stats of shape {tuple(stats.shape)} and dtype "
+            f"{stats.dtype}. Pass the layer's `fp8_stats` variable, or None."
+        )
+    return stats

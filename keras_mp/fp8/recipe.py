@@ -30,6 +30,7 @@ FIELDS = (
     "margin",
     "amax_history",
     "amax_algo",
+    "stats",
 )
 
 # Names other FP8 libraries give these fields (Transformer Engine's
@@ -112,6 +113,12 @@ class Recipe:
         amax_algo: With `scaling="delayed"`, the scale follows the
             history's `"max"` or its `"most_recent"` entry. Defaults to
             `"max"`.
+        stats: Count statistics of each FP8 GEMM inside the training step
+            (the amax, flushed and saturated values of its input, kernel
+            and output gradient) for `keras_mp.fp8.report`. A layer then
+            has one more trainable variable, `fp8_stats`, that the
+            optimizer overwrites with each step's statistics. Defaults to
+            `False` (no statistics, no extra work).
 
     Example:
 
@@ -130,6 +137,7 @@ class Recipe:
         margin=0,
         amax_history=1024,
         amax_algo="max",
+        stats=False,
         **kwargs,
     ):
         if kwargs:
@@ -144,6 +152,13 @@ class Recipe:
         self._margin = _check_int("margin", margin, 0)
         self._amax_history = _check_int("amax_history", amax_history, 1)
         self._amax_algo = amax_algo
+        if not isinstance(stats, bool):
+            raise TypeError(
+                "`stats` is a bool: whether layers count FP8 statistics for "
+                f"`keras_mp.fp8.report`. Received: stats={stats!r}. Pass "
+                "`stats=True` or `stats=False`."
+            )
+        self._stats = stats
 
     scaling = property(lambda self: self._scaling)
     granularity = property(lambda self: self._granularity)
@@ -151,6 +166,7 @@ class Recipe:
     margin = property(lambda self: self._margin)
     amax_history = property(lambda self: self._amax_history)
     amax_algo = property(lambda self: self._amax_algo)
+    stats = property(lambda self: self._stats)
 
     @property
     def forward_format(self):
@@ -170,6 +186,7 @@ class Recipe:
             "margin": self._margin,
             "amax_history": self._amax_history,
             "amax_algo": self._amax_algo,
+            "stats": self._stats,
         }
 
     @classmethod

@@ -6,7 +6,8 @@ Keras 3 / tf.keras constructor arguments. Composes `accumulation.py`
 (windows), `overflow.py` (counters, reports) and `host_skip.py` (PyTorch's
 default step, decided on the host); `legacy_arguments.py` reads Keras 3's
 and tf.keras's arguments. Imports those,
-`wrapper.py`, `keras_mp.loss_scale` and `keras_mp.backend`; never
+`wrapper.py`, `keras_mp.loss_scale`, `keras_mp.backend` and
+`keras_mp.fp8.stats` (FP8 statistics stored free of the loss scale); never
 `models.py`, `callbacks.py` or `recommend`.
 """
 
@@ -21,6 +22,7 @@ from keras_mp import _config
 from keras_mp import loss_scale as loss_scale_module
 from keras_mp.backend import collectives
 from keras_mp.backend import gradients as backend_gradients
+from keras_mp.fp8 import stats as fp8_stats
 from keras_mp.optimizers import legacy_arguments
 from keras_mp.optimizers import overflow
 from keras_mp.optimizers.accumulation import AccumulationMixin
@@ -353,6 +355,9 @@ class LossScaleOptimizer(
     # ------------------------------------------------------------- pipeline
     def apply_gradients(self, grads_and_vars, skip_gradients_aggregation=False):
         grads_and_vars = [(g, v) for g, v in grads_and_vars]
+        # `get_unscaled_gradients` divided every gradient, the FP8
+        # statistics carriers' too (it is given no variables).
+        self._stats_divided = self._step_record.gradients_unscaled
         self._unscale_in_step = self._gradients_need_unscaling()
         return super().apply_gradients(
             grads_and_vars,
@@ -403,7 +408,35 @@ class LossScaleOptimizer(
             grads_and_vars = list(zip(unscaled, [v for _, v in grads_and_vars]))
         return super().transform_gradients(grads_and_vars)
 
+    def _loss_scale_free_stats(self, grads_and_vars):
+        """The FP8 statistics carriers' gradients with the output gradient's
+        amax histogram moved back by the loss scale (their counts need no
+        unscaling), so the carrier holds them loss-scale-free. Keras's own
+        LossScaleOptimizer leaves them loss-scaled. Counts that
+        `get_unscaled_gradients` divided by the (power-of-two) scale are
+        multiplied back first, exactly."""
+        if not any(fp8_stats.is_carrier(v) for _, v in grads_and_vars):
+            return grads_and_vars
+        scale = self._loss_scale()
+
+        def loss_scale_free(g):
+            if self._stats_divided:
+                g = ops.multiply(g, scale)
+            return fp8_stats.remove_loss_scale(g, scale)
+
+        return [
+            (
+                loss_scale_free(g)
+                if g is not None and fp8_stats.is_carrier(v)
+                else g,
+                v,
+            )
+            for g, v in grads_and_vars
+        ]
+
     def run_step(self, grads_and_vars):
+        if self._unscale_in_step or self._stats_divided:
+            grads_and_vars = self._loss_scale_free_stats(grads_and_vars)
         if not self._loss_scale.is_dynamic:
             # A fixed scale never skips (RFC 293).
             super().run_step(grads_and_vars)

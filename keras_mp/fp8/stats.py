@@ -1,0 +1,140 @@
+"""FP8 statistics: counted inside the step, carried out as a gradient.
+
+A layer whose recipe has `stats=True` owns one float32 "carrier" variable of
+shape `(3, STATS_WIDTH)`, an extra input of its `fp8.dot` whose value the
+forward ignores and whose custom gradient IS the statistics of the call.
+The carrier is trainable with `overwrite_with_gradient=True`, so the
+optimizer assigns it this gradient as it is (never unscaled, clipped or
+decayed; a skipped step leaves it bit-identical): after a training step it
+holds that step's statistics, counted inside the compiled step (tf.function,
+`jax.jit`, torch) with no host read. It is the one channel that works under
+Keras's trainers on every backend (JAX differentiates only trainable
+variables), and the output gradient's statistics exist only in the backward
+pass.
+
+Rows: `TENSORS` (0 the input, 1 the kernel, 2 the output gradient). Each row
+holds `[0:512]` a one-hot histogram bin of the tensor's amax,
+`2 * (biased float32 exponent) + (mantissa > 0.75 * 2**23)`: E4M3's 448 and
+E5M2's 57344 are both `1.75 * 2**k`, so the bin fixes the current-scaling
+power-of-two scale exactly (inf and NaN: bins 510 and 511); then `[512]` the
+number of elements, `[513]` the number flushed (a non-zero value whose FP8
+code is zero), `[514]` the number saturated (a finite `|x / scale|` above
+the format's largest value before the clip; never under current scaling,
+counted all the same for delayed scaling to reuse this channel).
+
+Autodiff sums a carrier's gradient over the calls of a layer in a step, and
+keras_mp takes the max of overwritten gradients across replicas and
+accumulation steps: the highest non-empty bin is the step's amax under both,
+the counts are the step's under the sum, and under the max those of the
+worst replica or micro-step. Counts are float32: exact up to 2**24 values
+per tensor, beyond that within a relative 2**-24 (fractions stay right).
+
+Imports only `keras_mp.backend` and `keras_mp.fp8.quantize`.
+"""
+
+import numpy as np
+from keras import ops
+
+from keras_mp.backend import fp8 as backend_fp8
+from keras_mp.fp8.quantize import FORMATS
+
+TENSORS = ("input", "kernel", "output_gradient")
+HISTOGRAM_BINS = 512
+COUNT, FLUSHED, SATURATED = 512, 513, 514
+STATS_WIDTH = 515
+SHAPE = (len(TENSORS), STATS_WIDTH)
+# Bins below this hold finite amaxes; 510 and 511 hold inf and NaN.
+FINITE_BINS = 510
+_MANTISSA_ABOVE_1_75 = 3 << 21  # 0.75 * 2**23
+
+
+def amax_bin(amax):
+    """The histogram bin of a non-negative float32 `amax` (int32)."""
+    bits = ops.view(ops.cast(amax, "float32"), "int32")
+    above = ops.cast(
+        ops.bitwise_and(bits, 0x7FFFFF) > _MANTISSA_ABOVE_1_75, "int32"
+    )
+    return ops.right_shift(bits, 23) * 2 + above
+
+
+def tensor_row(x, codes, scale, fmt):
+    """The statistics row of float32 `x` quantized to `codes` with `scale`.
+
+    Args:
+        x: The float32 tensor that was quantized.
+        codes: Its FP8 codes, of `x`'s shape.
+        scale: Each value's scale, broadcastable to `x`.
+        fmt: `"e4m3"` or `"e5m2"`.
+
+    Returns:
+        A float32 tensor of shape `(STATS_WIDTH,)`.
+    """
+    fmax = FORMATS[fmt][1]
+    amax = backend_fp8.amax(x, None)
+    histogram = ops.one_hot(
+        ops.reshape(amax_bin(amax), ()), HISTOGRAM_BINS, dtype="float32"
+    )
+    y = x / scale
+    flushed = ops.logical_and(
+        ops.not_equal(x, 0.0), ops.equal(ops.cast(codes, "float32"), 0.0)
+    )
+    saturated = ops.logical_and(ops.isfinite(y), ops.abs(y) > fmax)
+    counts = ops.stack(
+        [
+            ops.cast(ops.size(x), "float32"),
+            ops.sum(ops.cast(flushed, "float32")),
+            ops.sum(ops.cast(saturated, "float32")),
+        ]
+    )
+    return ops.concatenate([histogram, counts])
+
+
+def remove_loss_scale(stats, loss_scale):
+    """`stats` with the output gradient's histogram free of a loss scale.
+
+    The output gradient of a scaled loss is `loss_scale` times larger; its
+    amax bin `2 * log2(loss_scale)` higher. Its finite bins move down by as
+    much (read from the bits of the power-of-two `loss_scale`), clamped at
+    both ends of the finite range; the inf/NaN bins and every count stay.
+
+    Args:
+        stats: A float32 tensor of shape `(3, STATS_WIDTH)`.
+        loss_scale: The float32 scalar power of two the loss was scaled by.
+
+    Returns:
+        A float32 tensor of shape `(3, STATS_WIDTH)`.
+    """
+    bits = ops.view(ops.cast(ops.reshape(loss_scale, ()), "float32"), "int32")
+    shift = (ops.right_shift(bits, 23) - 127) * 2
+    target = ops.clip(
+        ops.arange(FINITE_BINS, dtype="int32") - shift, 0, FINITE_BINS - 1
+    )
+    row = stats[2]
+    histogram = ops.segment_sum(
+        row[:FINITE_BINS], target, num_segments=FINITE_BINS
+    )
+    row = ops.concatenate([histogram, row[FINITE_BINS:]])
+    return ops.concatenate([stats[:2], ops.expand_dims(row, 0)], axis=0)
+
+
+def is_carrier(variable):
+    """Whether `variable` is the statistics carrier of an FP8 layer."""
+    return bool(getattr(variable, "_keras_mp_fp8_stats", False))
+
+
+def bin_range(index):
+    """`(low, high)`: the amaxes bin `index` holds (host side, floats)."""
+    if index >= FINITE_BINS:
+        return (float("inf"), float("inf"))
+    exponent, above = divmod(int(index), 2)
+    if exponent == 0:
+        return (0.0, 2.0**-126)
+    power = 2.0 ** (exponent - 127)
+    return (1.75 * power, 2 * power) if above else (power, 1.75 * power)
+
+
+def bin_amax(index):
+    """An amax inside bin `index` (float32): every amax of a bin has the
+    same current-scaling scale."""
+    low, high = bin_range(index)
+    return np.float32(low if index % 2 == 0 else (low + high) / 2)
