@@ -25,11 +25,11 @@ from keras_mp.fp8.quantize import quantize_reduced
 from keras_mp.fp8.recipe import BLOCK_SIZE
 
 
-def _observe(rows, name, x, codes, scale, fmt):
+def _observe(rows, name, x, scale, fmt):
     """Records the statistics row of one quantization, when `rows` (a
     dict) asks for them; nothing at all when it is None."""
     if rows is not None:
-        rows[name] = stats_module.tensor_row(x, codes, scale, fmt)
+        rows[name] = stats_module.tensor_row(x, scale, fmt)
 
 
 def _tensorwise(x, w, recipe, rows):
@@ -37,13 +37,13 @@ def _tensorwise(x, w, recipe, rows):
     forward, backward, margin = _formats(recipe)
     cx, sx = quantize_reduced(x, forward, None, margin)
     cw, sw = quantize_reduced(w, forward, None, margin)
-    _observe(rows, "input", x, cx, sx, forward)
-    _observe(rows, "kernel", w, cw, sw, forward)
+    _observe(rows, "input", x, sx, forward)
+    _observe(rows, "kernel", w, sw, forward)
     out = fp8_backend.einsum_float32("mk,kn->mn", cx, cw) * sx * sw
 
     def gradients(g):
         cg, sg = quantize_reduced(g, backward, None, margin)
-        _observe(rows, "output_gradient", g, cg, sg, backward)
+        _observe(rows, "output_gradient", g, sg, backward)
         dx = fp8_backend.einsum_float32("mn,kn->mk", cg, cw) * sg * sw
         dw = fp8_backend.einsum_float32("mk,mn->kn", cx, cg) * sx * sg
         return dx, dw
@@ -57,13 +57,13 @@ def _rowwise(x, w, recipe, rows):
     forward, backward, margin = _formats(recipe)
     cx, sx = quantize_reduced(x, forward, 1, margin)  # (M, 1)
     cw, sw = quantize_reduced(w, forward, 0, margin)  # (1, N)
-    _observe(rows, "input", x, cx, sx, forward)
-    _observe(rows, "kernel", w, cw, sw, forward)
+    _observe(rows, "input", x, sx, forward)
+    _observe(rows, "kernel", w, sw, forward)
     out = fp8_backend.einsum_float32("mk,kn->mn", cx, cw) * sx * sw
 
     def gradients(g):
         cg, sg = quantize_reduced(g, backward, 1, margin)  # (M, 1)
-        _observe(rows, "output_gradient", g, cg, sg, backward)
+        _observe(rows, "output_gradient", g, sg, backward)
         cw_n, sw_n = quantize_reduced(w, forward, 1, margin)  # (K, 1)
         dx = fp8_backend.einsum_float32("mn,kn->mk", cg, cw_n)
         dx = dx * sg * ops.transpose(sw_n)
@@ -114,8 +114,8 @@ def _block(x, w, recipe, rows):
     cx, sx = quantize_reduced(tiled_x, forward, 2, margin)  # (M, tiles_k, 1)
     # sw: (tiles_k, 1, tiles_n, 1)
     cw, sw = quantize_reduced(tiled_w, forward, (1, 3), margin)
-    _observe(rows, "input", tiled_x, cx, sx, forward)
-    _observe(rows, "kernel", tiled_w, cw, sw, forward)
+    _observe(rows, "input", tiled_x, sx, forward)
+    _observe(rows, "kernel", tiled_w, sw, forward)
     partial = fp8_backend.einsum_float32("mtb,tbjc->tmjc", cx, cw)
     sx_t = ops.expand_dims(ops.transpose(sx, (1, 0, 2)), -1)
     out = ops.reshape(_sum_tiles(partial * sx_t * sw), (-1, n))
@@ -123,7 +123,7 @@ def _block(x, w, recipe, rows):
     def gradients(g):
         tiled_g = ops.reshape(g, (-1, tiles_n, BLOCK_SIZE))
         cg, sg = quantize_reduced(tiled_g, backward, 2, margin)  # (M, n/128, 1)
-        _observe(rows, "output_gradient", tiled_g, cg, sg, backward)
+        _observe(rows, "output_gradient", tiled_g, sg, backward)
         partial = fp8_backend.einsum_float32("mjc,tbjc->jmtb", cg, cw)
         sg_t = ops.expand_dims(ops.transpose(sg, (1, 0, 2)), -1)
         sw_t = ops.transpose(sw, (2, 1, 0, 3))
@@ -207,12 +207,13 @@ def dot(x, kernel, recipe=None, output_dtype=None, stats=None):
     gradient `x^T @ g` each take their operands quantized along their own
     contracted axis (`"rowwise"`, `"block"`); `"tensorwise"` reuses the
     forward codes. Every product of codes is exact and accumulated in
-    float32; the power-of-two scales multiply the float32 result (per
-    128-chunk of the contracted axis for `"block"`, before the chunks are
-    summed). Each scale comes from this call's operands (`"current"`
-    scaling): no state. A non-finite value in `x`, `kernel` or the output
-    gradient keeps its GEMM's result non-finite, so a loss-scale skip
-    sees it.
+    float32 (on a CPU; a GPU's FP8 tensor cores accumulate with fewer bits,
+    see `keras_mp.backend.fp8`); the power-of-two scales multiply the
+    float32 result (per 128-chunk of the contracted axis for `"block"`,
+    before the chunks are summed). Each scale comes from this call's
+    operands (`"current"` scaling): no state. A non-finite value in `x`,
+    `kernel` or the output gradient keeps its GEMM's result non-finite, so
+    a loss-scale skip sees it.
 
     Args:
         x: A floating point tensor `[..., K]`.

@@ -46,6 +46,8 @@ SHAPE = (len(TENSORS), STATS_WIDTH)
 # Bins below this hold finite amaxes; 510 and 511 hold inf and NaN.
 FINITE_BINS = 510
 _MANTISSA_ABOVE_1_75 = 3 << 21  # 0.75 * 2**23
+# Half of each format's smallest subnormal: E4M3's is 2**-9, E5M2's 2**-16.
+_HALF_SMALLEST_SUBNORMAL = {"e4m3": 2.0**-10, "e5m2": 2.0**-17}
 
 
 def amax_bin(amax):
@@ -57,12 +59,17 @@ def amax_bin(amax):
     return ops.right_shift(bits, 23) * 2 + above
 
 
-def tensor_row(x, codes, scale, fmt):
-    """The statistics row of float32 `x` quantized to `codes` with `scale`.
+def tensor_row(x, scale, fmt):
+    """The statistics row of float32 `x` quantized with `scale`.
+
+    A value is flushed where it is non-zero and `|x / scale|` is at most
+    half the format's smallest subnormal (round to nearest even takes
+    exactly half to zero): float32 comparisons, not a decode of the codes,
+    which XLA may fold away (`convert(convert(y, f8), f32)` to `y` under its
+    default excess precision, seen on a GPU).
 
     Args:
         x: The float32 tensor that was quantized.
-        codes: Its FP8 codes, of `x`'s shape.
         scale: Each value's scale, broadcastable to `x`.
         fmt: `"e4m3"` or `"e5m2"`.
 
@@ -76,7 +83,7 @@ def tensor_row(x, codes, scale, fmt):
     )
     y = x / scale
     flushed = ops.logical_and(
-        ops.not_equal(x, 0.0), ops.equal(ops.cast(codes, "float32"), 0.0)
+        ops.not_equal(x, 0.0), ops.abs(y) <= _HALF_SMALLEST_SUBNORMAL[fmt]
     )
     saturated = ops.logical_and(ops.isfinite(y), ops.abs(y) > fmax)
     counts = ops.stack(
