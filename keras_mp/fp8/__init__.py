@@ -9,8 +9,8 @@ from keras_mp.fp8.einsum import einsum
 from keras_mp.fp8.quantize import quantize
 from keras_mp.fp8.recipe import DEFAULT_RECIPE
 from keras_mp.fp8.recipe import Recipe
-from keras_mp.fp8.report import FP8Report
-from keras_mp.fp8.report import FP8ReportRow
+from keras_mp.fp8.report import Report
+from keras_mp.fp8.report import ReportRow
 from keras_mp.fp8.report import report
 from keras_mp.fp8.rules import DEFAULT_RULES
 from keras_mp.fp8.rules import Rules
@@ -18,9 +18,9 @@ from keras_mp.fp8.rules import Rules
 __all__ = [
     "DEFAULT_RECIPE",
     "DEFAULT_RULES",
-    "FP8Report",
-    "FP8ReportRow",
     "Recipe",
+    "Report",
+    "ReportRow",
     "Rules",
     "dot",
     "einsum",

@@ -25,8 +25,8 @@ _HOW_TO_COUNT = (
     "stats=True))` in its precision rules"
 )
 
-FP8ReportRow = collections.namedtuple(
-    "FP8ReportRow",
+ReportRow = collections.namedtuple(
+    "ReportRow",
     [
         "layer",
         "tensor",
@@ -39,7 +39,7 @@ FP8ReportRow = collections.namedtuple(
         "count",
     ],
 )
-FP8ReportRow.__doc__ = """One tensor of one FP8 layer in its last step.
+ReportRow.__doc__ = """One tensor of one FP8 layer in its last step.
 
 `amax_low` and `amax_high` bound the tensor's largest magnitude (the range
 of its histogram bin; over several calls in a step, from the lowest to the
@@ -49,15 +49,15 @@ values.
 """
 
 
-class FP8Report:
+class Report:
     """The FP8 statistics of a model's last training step, by layer.
 
-    Returned by `keras_mp.fp8.report`. Iterating gives `FP8ReportRow`s;
+    Returned by `keras_mp.fp8.report`. Iterating gives `ReportRow`s;
     `notes` says which FP8 layers have no statistics, and why; `str()` is
     a fixed-width table.
 
     Args:
-        rows: A list of `FP8ReportRow`.
+        rows: A list of `ReportRow`.
         notes: A list of `(layer path, why it has no rows)`. Defaults to
             `()`.
     """
@@ -85,7 +85,7 @@ class FP8Report:
                 Defaults to `None`.
 
         Returns:
-            A list of `FP8ReportRow`.
+            A list of `ReportRow`.
         """
         return [
             row
@@ -116,7 +116,7 @@ class FP8Report:
         return "\n".join(lines)
 
     def __repr__(self):
-        return f"<FP8Report: {len(self.rows)} rows>\n{self}"
+        return f"<Report: {len(self.rows)} rows>\n{self}"
 
 
 def _recipe(layer):
@@ -142,7 +142,7 @@ def _layer_rows(path, recipe, values):
             )
         )
         rows.append(
-            FP8ReportRow(
+            ReportRow(
                 layer=path,
                 tensor=tensor,
                 format=fmt,
@@ -181,7 +181,7 @@ def report(model):
         model: A built Keras model (or layer).
 
     Returns:
-        An `FP8Report`.
+        An `Report`.
 
     Raises:
         ValueError: `model` has no FP8 layer, or none counts statistics.
@@ -230,4 +230,4 @@ def report(model):
             notes.append((path, "no training step yet"))
             continue
         rows.extend(_layer_rows(path, recipe, values))
-    return FP8Report(rows, notes)
+    return Report(rows, notes)
