@@ -79,8 +79,10 @@ def _assert_matches_reference(results, expected):
         value = to_numpy(value).astype(np.float64)
         exact, bound = expected[name]
         error = np.abs(value - exact)
-        assert (error <= 1e-6 * bound).all(), (
-            f"{name}: error {error.max()} above 1e-6 x the sum of |products|"
+        tolerance = reference.accumulation_error()
+        assert (error <= tolerance * bound).all(), (
+            f"{name}: error {error.max()} above {tolerance} x the sum of "
+            "|products|"
             f" ({(error / np.maximum(bound, 1e-300)).max()} relative)"
         )
 

@@ -14,6 +14,11 @@ in float32, per backend:
 - TensorFlow: the codes upcast to float32 and `tf.einsum` (TensorFlow's
   kernels reject FP8 operands; only casts take them).
 
+On a CPU the sums are float32 sums. A GPU's FP8 tensor cores (JAX's XLA,
+torch's `_scaled_mm`) accumulate with fewer bits: on an H100 the tests'
+products were within 2.2e-3 of the sum of |products| (forward, E4M3 x E4M3:
+2.2e-4), against float32 rounding (1e-6 of it) on a CPU.
+
 Imports nothing from keras_mp.
 """
 

@@ -3,9 +3,11 @@
 Scales from `np.frexp` in float64, codes from `np.clip` and `ml_dtypes`
 casts, GEMMs in float64 on the dequantized codes (exact: a code times a
 power of two is exact). Tests compare the library with it bit for bit
-(codes, scales) or to float32 accumulation rounding (GEMMs).
+(codes, scales) or to float32 accumulation rounding (GEMMs; FP8 tensor
+cores accumulate with fewer bits: `accumulation_error`).
 """
 
+import keras
 import ml_dtypes
 import numpy as np
 
@@ -107,3 +109,32 @@ def gemms(x, w, g, granularity, formats="hybrid", margin=0):
         name: (a @ b, np.abs(a) @ np.abs(b))
         for name, (a, b) in operands.items()
     }
+
+
+# How far a product of FP8 codes may be from the exact sum, as a fraction of
+# the sum of |products|. On a CPU the codes are multiplied exactly and summed
+# in float32. FP8 tensor cores accumulate with fewer bits: on an NVIDIA H100
+# (2026-11-25; torch 2.11 `_scaled_mm`, jax 0.11.2's XLA) the tests' forward
+# products were off by up to 2.2e-4 of it (4e-5 already at K = 16), and the
+# backward ones, with E5M2 operands, by up to 2.2e-3.
+CPU_ACCUMULATION_ERROR = 1e-6
+GPU_ACCUMULATION_ERROR = 4e-3
+
+
+def accumulation_error():
+    """The error bound above for the device Keras computes on."""
+    backend = keras.backend.backend()
+    if backend == "torch":
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+    elif backend == "jax":
+        import jax
+
+        on_gpu = jax.default_backend() == "gpu"
+    else:
+        # TensorFlow upcasts the codes (its kernels reject FP8): on a GPU
+        # its float32 GEMM may round operands to TF32, which holds every
+        # FP8 code exactly, and accumulates in float32.
+        on_gpu = False
+    return GPU_ACCUMULATION_ERROR if on_gpu else CPU_ACCUMULATION_ERROR
