@@ -1,12 +1,16 @@
 """Helpers shared by the keras_mp test suite (not imported by the library)."""
 
+import atexit
 import collections
 import contextlib
+import functools
 import os
 import pathlib
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 
@@ -298,7 +302,9 @@ def run_script(path, *args, env=None, timeout=600):
     """Runs a script (a guide, an example, a benchmark) on the active backend.
 
     The child runs from the repository root with the same `KERAS_BACKEND`,
-    the repository on `PYTHONPATH` and `env` on top.
+    the repository on `PYTHONPATH` and `env` on top. On a backend other
+    than TensorFlow, TensorFlow cannot be imported there (as on most
+    machines of JAX and PyTorch users): Keras would import it, 2 s a script.
 
     Returns:
         The child's stdout.
@@ -310,14 +316,36 @@ def run_script(path, *args, env=None, timeout=600):
 
     path = pathlib.Path(path).resolve()
     root = path.parent.parent
-    full_env = {
-        "KERAS_BACKEND": keras.backend.backend(),
-        "PYTHONPATH": os.pathsep.join(
-            [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]
-        ),
-    }
+    backend = keras.backend.backend()
+    paths = [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]
+    if backend != "tensorflow":
+        paths.insert(0, _without_tensorflow())
+    full_env = {"KERAS_BACKEND": backend, "PYTHONPATH": os.pathsep.join(paths)}
     full_env.update(env or {})
     return _run_child([str(path), *args], full_env, timeout, root)
+
+
+_NO_TENSORFLOW = """\
+# Stands in for TensorFlow in a script keras_mp.testing.run_script runs on
+# JAX or PyTorch: it then runs as on a machine without TensorFlow, where most
+# users of those backends are. TensorFlow is installed for the suite's
+# TensorFlow run, and Keras imports it whenever it can
+# (keras.utils.set_random_seed seeds it): 2 s of every script.
+raise ImportError(
+    "TensorFlow is hidden from this script: keras_mp's tests run guides, "
+    "examples and benchmarks on JAX and PyTorch as on a machine without it."
+)
+"""
+
+
+@functools.cache
+def _without_tensorflow():
+    """A folder whose `tensorflow` module fails to import, made once per
+    process (and removed at exit)."""
+    folder = tempfile.mkdtemp(prefix="keras_mp_without_tensorflow_")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    pathlib.Path(folder, "tensorflow.py").write_text(_NO_TENSORFLOW)
+    return folder
 
 
 _BACKENDS = ("tensorflow", "jax", "torch", "numpy", "openvino")
