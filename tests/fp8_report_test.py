@@ -75,10 +75,15 @@ def _gradients(function, inputs, g):
     if backend == "jax":
         import jax
 
-        out, vjp = jax.vjp(
-            function, *[ops.convert_to_tensor(t) for t in inputs]
+        def step(g, *tensors):
+            out, vjp = jax.vjp(function, *tensors)
+            return vjp(ops.cast(g, out.dtype))
+
+        # One compiled step: op by op, JAX compiles each op on its own.
+        return jax.jit(step)(
+            ops.convert_to_tensor(g),
+            *[ops.convert_to_tensor(t) for t in inputs],
         )
-        return vjp(ops.convert_to_tensor(g, out.dtype))
     if backend == "tensorflow":
         import tensorflow as tf
 
