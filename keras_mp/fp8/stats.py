@@ -124,6 +124,37 @@ def remove_loss_scale(stats, loss_scale):
     return ops.concatenate([stats[:2], ops.expand_dims(row, 0)], axis=0)
 
 
+def loss_scale_free(grads_and_vars, loss_scale, divided):
+    """The pairs, each carrier's gradient made free of the loss scale.
+
+    The output gradient's histogram moves back by the loss scale
+    (`remove_loss_scale`); counts need no unscaling. Where
+    `get_unscaled_gradients` already divided every gradient by the
+    (power-of-two) scale, the carriers' too (`divided`), they are
+    multiplied back first, exactly. Other pairs are returned as they are.
+
+    Args:
+        grads_and_vars: `(gradient, variable)` pairs.
+        loss_scale: The float32 scalar power of two the loss was scaled by.
+        divided: Whether the gradients were divided by `loss_scale`.
+
+    Returns:
+        A list of `(gradient, variable)` pairs.
+    """
+    if not any(is_carrier(v) for _, v in grads_and_vars):
+        return list(grads_and_vars)
+
+    def unscaled(g):
+        if divided:
+            g = ops.multiply(g, loss_scale)
+        return remove_loss_scale(g, loss_scale)
+
+    return [
+        (unscaled(g) if g is not None and is_carrier(v) else g, v)
+        for g, v in grads_and_vars
+    ]
+
+
 def is_carrier(variable):
     """Whether `variable` is the statistics carrier of an FP8 layer."""
     return bool(getattr(variable, "_keras_mp_fp8_stats", False))

@@ -408,35 +408,14 @@ class LossScaleOptimizer(
             grads_and_vars = list(zip(unscaled, [v for _, v in grads_and_vars]))
         return super().transform_gradients(grads_and_vars)
 
-    def _loss_scale_free_stats(self, grads_and_vars):
-        """The FP8 statistics carriers' gradients with the output gradient's
-        amax histogram moved back by the loss scale (their counts need no
-        unscaling), so the carrier holds them loss-scale-free. Keras's own
-        LossScaleOptimizer leaves them loss-scaled. Counts that
-        `get_unscaled_gradients` divided by the (power-of-two) scale are
-        multiplied back first, exactly."""
-        if not any(fp8_stats.is_carrier(v) for _, v in grads_and_vars):
-            return grads_and_vars
-        scale = self._loss_scale()
-
-        def loss_scale_free(g):
-            if self._stats_divided:
-                g = ops.multiply(g, scale)
-            return fp8_stats.remove_loss_scale(g, scale)
-
-        return [
-            (
-                loss_scale_free(g)
-                if g is not None and fp8_stats.is_carrier(v)
-                else g,
-                v,
-            )
-            for g, v in grads_and_vars
-        ]
-
     def run_step(self, grads_and_vars):
         if self._unscale_in_step or self._stats_divided:
-            grads_and_vars = self._loss_scale_free_stats(grads_and_vars)
+            # FP8 statistics carriers hold the output gradient's amax free
+            # of the loss scale (Keras's own LossScaleOptimizer leaves it
+            # loss-scaled).
+            grads_and_vars = fp8_stats.loss_scale_free(
+                grads_and_vars, self._loss_scale(), self._stats_divided
+            )
         if not self._loss_scale.is_dynamic:
             # A fixed scale never skips (RFC 293).
             super().run_step(grads_and_vars)
