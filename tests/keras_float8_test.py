@@ -39,6 +39,14 @@ def _rng(seed=0):
     return np.random.default_rng(seed)
 
 
+def _fp8_layers(model):
+    """Names of the model's layers that run their GEMM in FP8."""
+    rows = keras_mp.explain_precision(model, print_fn=None)
+    return [
+        row["layer"].split("/")[-1] for row in rows if "/" in row.get("fp8", "")
+    ]
+
+
 def _fp8_policy(compute="float32"):
     return keras_mp.Policy(compute, fp8=fp8.Recipe())
 
@@ -198,10 +206,11 @@ def _loss_scaled_keras_mp_weights(loss_scale):
     model = keras.Sequential(
         [
             keras.Input((16,)),
-            keras.layers.Dense(16, dtype=policy),
-            keras.layers.Dense(4, dtype=policy),
+            keras.layers.Dense(16, dtype=policy, name="hidden"),
+            keras.layers.Dense(16, dtype=policy, name="out"),
         ]
     )
+    assert _fp8_layers(model) == ["hidden", "out"]
     optimizer = keras_mp.LossScaleOptimizer(
         keras.optimizers.SGD(0.1),
         loss_scale=keras_mp.FixedLossScale(loss_scale),
@@ -209,7 +218,7 @@ def _loss_scaled_keras_mp_weights(loss_scale):
     model.compile(optimizer, loss="mse")
     rng = _rng(5)
     x = rng.normal(size=(8, 16)).astype("float32")
-    y = rng.normal(size=(8, 4)).astype("float32")
+    y = rng.normal(size=(8, 16)).astype("float32")
     for _ in range(2):
         model.train_on_batch(x, y)
     return [to_numpy(w) for w in model.weights]
@@ -290,6 +299,20 @@ def _dense_32(dtype=None):
     )
 
 
+def _dense_32_then_head(seed=0):
+    """keras_mp's global FP8 rules leave the output layer out: "d" is the
+    model's FP8 layer."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(32, name="d"),
+            keras.layers.Dense(4, name="head"),
+        ]
+    )
+    return model, _fp8_layers(model)
+
+
 def test_k5_a_reloaded_model_orders_its_weights_differently(tmp_path):
     """K5. After a `.keras` reload, Keras's float8 scale variables come
     before the kernel in `weights`, so `set_weights(get_weights())`
@@ -319,8 +342,9 @@ def test_k6_an_fp8_checkpoint_loads_without_fp8(tmp_path):
     (every backend). A Keras fix makes `pytest.raises` fail: then assert
     that the kernel and bias load.
 
-    keras_mp's FP8 checkpoint loads into the model without FP8, every
-    weight bit for bit."""
+    keras_mp's FP8 checkpoint (`set_global_policy("mixed_bfloat16",
+    fp8=...)`, one step trained) loads into the model built under
+    `"mixed_bfloat16"` without FP8, every weight bit for bit."""
     quantized = _dense_32()
     quantized.quantize("float8")
     path = str(tmp_path / "keras.weights.h5")
@@ -328,12 +352,19 @@ def test_k6_an_fp8_checkpoint_loads_without_fp8(tmp_path):
     with pytest.raises(ValueError, match="expected 2 variables"):
         _dense_32().load_weights(path)
 
-    model = _dense_32(dtype=_fp8_policy())
+    keras_mp.set_global_policy("mixed_bfloat16", fp8=fp8.Recipe())
+    model, fp8_layers = _dense_32_then_head()
+    assert fp8_layers == ["d"]
+    model.compile(keras.optimizers.SGD(0.1), loss="mse")
+    rng = _rng(6)
+    x = rng.normal(size=(8, 16)).astype("float32")
+    model.train_on_batch(x, rng.normal(size=(8, 4)).astype("float32"))
     path = str(tmp_path / "keras_mp.weights.h5")
     model.save_weights(path)
-    plain = keras.Sequential(
-        [keras.Input((16,)), keras.layers.Dense(32, name="d")]
-    )
+    keras_mp.set_global_policy("mixed_bfloat16")
+    plain, fp8_layers = _dense_32_then_head(seed=1)
+    assert fp8_layers == []
+    assert not np.array_equal(to_numpy(plain.weights[0]), model.weights[0])
     plain.load_weights(path)
     for got, want in zip(plain.weights, model.weights, strict=True):
         assert_bitwise_equal(to_numpy(got), to_numpy(want))
@@ -345,7 +376,8 @@ def test_k7_fp8_state_counts_as_trainable_parameters():
     A Keras fix makes these counts those of the plain model: then assert
     that.
 
-    keras_mp's current-scaling Dense adds none; with `Recipe(stats=True)`
+    keras_mp's current-scaling Dense (`set_global_policy(
+    "mixed_bfloat16", fp8=...)`) adds none; with `Recipe(stats=True)`
     it adds exactly one trainable (3, 515) statistics carrier, which the
     optimizer overwrites (1545 parameters)."""
     plain = _dense_32()
@@ -355,11 +387,19 @@ def test_k7_fp8_state_counts_as_trainable_parameters():
     extra = quantized.count_params() - plain.count_params()
     assert extra == 3 * HISTORY + 3
 
-    model = _dense_32(dtype=_fp8_policy())
+    plain, _ = _dense_32_then_head()
+    keras_mp.set_global_policy("mixed_bfloat16", fp8=fp8.Recipe())
+    model, fp8_layers = _dense_32_then_head()
+    assert fp8_layers == ["d"]
     assert len(model.trainable_weights) == len(plain.trainable_weights)
     assert model.count_params() == plain.count_params()
-    policy = keras_mp.Policy("float32", fp8=fp8.Recipe(stats=True))
-    model = _dense_32(dtype=policy)
-    assert len(model.trainable_weights) == len(plain.trainable_weights) + 1
-    assert tuple(model.trainable_weights[-1].shape) == (3, 515)
+    keras_mp.set_global_policy("mixed_bfloat16", fp8=fp8.Recipe(stats=True))
+    model, fp8_layers = _dense_32_then_head()
+    assert fp8_layers == ["d"]
+    extra = [
+        (w.path.split("/", 1)[1], tuple(w.shape))
+        for w in model.trainable_weights
+        if w.name not in ("kernel", "bias")
+    ]
+    assert extra == [("d/fp8_stats", (3, 515))]
     assert model.count_params() == plain.count_params() + 3 * 515
