@@ -115,7 +115,7 @@ def test_k1_a_layer_called_twice_per_step():
     assert len(shared.weights) == 2
     large = _rng(1).normal(size=(8, 16)).astype("float32")
     small = (1e-3 * _rng(2).normal(size=(8, 16))).astype("float32")
-    outputs = model([large, small])
+    outputs = model.predict_on_batch([large, small])
     _assert_matches_oracle_forward(outputs[0], large, shared)
     _assert_matches_oracle_forward(outputs[1], small, shared)
 
@@ -195,8 +195,7 @@ def _loss_scaled_keras_history(initial_scale):
     rng = _rng(5)
     x = rng.normal(size=(8, 16)).astype("float32")
     y = rng.normal(size=(8, 4)).astype("float32")
-    for _ in range(2):
-        model.train_on_batch(x, y)
+    model.train_on_batch(x, y)
     return _value(model.get_layer("fp8").outputs_grad_amax_history).max()
 
 
@@ -219,8 +218,7 @@ def _loss_scaled_keras_mp_weights(loss_scale):
     rng = _rng(5)
     x = rng.normal(size=(8, 16)).astype("float32")
     y = rng.normal(size=(8, 16)).astype("float32")
-    for _ in range(2):
-        model.train_on_batch(x, y)
+    model.train_on_batch(x, y)
     return [to_numpy(w) for w in model.weights]
 
 
@@ -231,8 +229,8 @@ def test_k3_the_output_gradient_amax_is_stored_loss_scaled():
     fix makes the ratio 1: then assert that.
 
     keras_mp stores no amax, and a loss scale changes no FP8 code (current
-    scaling divides it out with the amax): two steps at a loss scale of
-    2**15 and of 1 end with bit-identical weights."""
+    scaling divides it out with the amax): one step at a loss scale of
+    2**15 and one at 1 give bit-identical weights."""
     ratio = _loss_scaled_keras_history(2.0**15) / _loss_scaled_keras_history(
         1.0
     )
