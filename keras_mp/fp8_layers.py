@@ -131,12 +131,6 @@ def check_model(model):
             sync_stats_carrier(layer)
 
 
-def stats_carrier(layer):
-    """The statistics carrier variable of `layer`, or None."""
-    own = _keras_internals.own_variables(layer)
-    return next((v for v in own if stats_module.is_carrier(v)), None)
-
-
 def sync_stats_carrier(layer):
     """Gives a built FP8 layer whose recipe has `stats=True` its carrier
     (see `keras_mp/fp8/stats.py`), and takes it from any other layer.
@@ -147,7 +141,7 @@ def sync_stats_carrier(layer):
     """
     recipe = layer_recipe(layer)
     wanted = recipe is not None and recipe.stats and has_gemm(layer)
-    carrier = stats_carrier(layer)
+    carrier = stats_module.layer_carrier(layer)
     if wanted and carrier is None:
         # A layer may be given its recipe after it was built (a path rule
         # applied when its model is built).
@@ -207,7 +201,7 @@ def _stored(variable):
 def _stats_input(layer, recipe):
     if not recipe.stats:
         return None
-    carrier = stats_carrier(layer)
+    carrier = stats_module.layer_carrier(layer)
     return None if carrier is None else _stored(carrier)
 
 
@@ -290,7 +284,7 @@ def _save_hook(original):
     @functools.wraps(original)
     def save_own_variables(self, store):
         original(self, store)
-        carrier = stats_carrier(self)
+        carrier = stats_module.layer_carrier(self)
         if carrier is not None:
             store[str(len(store.keys()))] = carrier
 
@@ -319,7 +313,7 @@ class _StoreView:
 def _load_hook(original):
     @functools.wraps(original)
     def load_own_variables(self, store):
-        carrier = stats_carrier(self)
+        carrier = stats_module.layer_carrier(self)
         keys = [str(i) for i in range(len(store.keys()))]
         own = len(_keras_internals.own_variables(self))
         last = keys[-1] if keys else None

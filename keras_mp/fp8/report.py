@@ -209,14 +209,7 @@ def report(model):
         if not recipe.stats:
             continue
         path = layer.path or layer.name
-        carrier = next(
-            (
-                v
-                for v in _keras_internals.own_variables(layer)
-                if stats_module.is_carrier(v)
-            ),
-            None,
-        )
+        carrier = stats_module.layer_carrier(layer)
         if carrier is None:
             notes.append((path, "not built yet: no statistics"))
             continue

@@ -29,12 +29,14 @@ the counts are the step's under the sum, and under the max those of the
 worst replica or micro-step. Counts are float32: exact up to 2**24 values
 per tensor, beyond that within a relative 2**-24 (fractions stay right).
 
-Imports only `keras_mp.backend` and `keras_mp.fp8.quantize`.
+Imports only `keras_mp._keras_internals`, `keras_mp.backend` and
+`keras_mp.fp8.quantize`.
 """
 
 import numpy as np
 from keras import ops
 
+from keras_mp import _keras_internals
 from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.fp8.quantize import FORMATS
 
@@ -158,6 +160,12 @@ def loss_scale_free(grads_and_vars, loss_scale, divided):
 def is_carrier(variable):
     """Whether `variable` is the statistics carrier of an FP8 layer."""
     return bool(getattr(variable, "_keras_mp_fp8_stats", False))
+
+
+def layer_carrier(layer):
+    """The statistics carrier variable of `layer`, or None."""
+    own = _keras_internals.own_variables(layer)
+    return next((v for v in own if is_carrier(v)), None)
 
 
 def bin_range(index):
