@@ -125,7 +125,7 @@ def check_layer(layer):
 def check_model(model):
     """`check_layer` for `model` and each of its layers, whose statistics
     carriers then follow their (now decided) recipes."""
-    for layer in [model, *model._flatten_layers(include_self=False)]:
+    for layer in _keras_internals.all_layers(model):
         check_layer(layer)
         if layer.built:
             sync_stats_carrier(layer)

@@ -80,7 +80,7 @@ def _warn_if_built_under_another_policy(model):
         return
     if isinstance(_default_of(model.dtype_policy), Policy):
         return
-    layers = [model, *model._flatten_layers(include_self=False)]
+    layers = _keras_internals.all_layers(model)
     if any(_uses(layer, policy) for layer in layers if layer.weights):
         return
     if model in _warned_late_policy:
