@@ -143,6 +143,39 @@ def test_nonfinite_values_give_nonfinite_scales_never_clipped(mode, fmt):
     assert not np.isfinite(to_numpy(scale)).all()
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemm_operands_hold_the_values_of_the_codes_bit_for_bit(fmt):
+    """What `fp8.dot`'s GEMMs multiply: FP8 codes, or on PyTorch's CPU the
+    codes' values rounded in float32 arithmetic; either way the values of
+    the oracle's codes, over every bfloat16 bit pattern (every sign,
+    exponent and 7 leading mantissa bits: ±0, subnormals, inf, NaN),
+    the test data, ties, and finite values beyond the format's range."""
+    from keras_mp.fp8.quantize import gemm_operand
+
+    patterns = (np.arange(2**16, dtype=np.uint32) << 16).view(np.float32)
+    data = _with_specials(_data(fmt, "float32", seed=4), fmt).ravel()
+    fmax = reference.FORMATS[fmt][1]
+    grid = reference.encode(np.linspace(-fmax, fmax, 9999), 1.0, fmt)
+    grid = grid.astype(np.float32)
+    ties = (grid[1:] + grid[:-1]) / 2  # halfway: round to even
+    beyond = np.float32([1.01, 1.1, 1.5, 3e5, 3e33]) * fmax
+    y = np.concatenate([patterns, data, ties, beyond, -beyond])
+    # Scaled by 2**3: the operand is that of y, from x = y * 2**3.
+    with np.errstate(over="ignore"):  # the largest patterns become inf
+        x = (y.astype(np.float64) * 8).astype(np.float32)
+    scale = ops.convert_to_tensor(np.float32(8.0))
+    operand = gemm_operand(ops.convert_to_tensor(x), scale, fmt)
+    if keras.backend.backend() == "torch":
+        assert keras.backend.standardize_dtype(operand.dtype) == "float32"
+    values = to_numpy(ops.cast(operand, "float32"))
+    expected = reference.encode(x, np.float32(8.0), fmt).astype(np.float32)
+    nan = np.isnan(expected)
+    np.testing.assert_array_equal(np.isnan(values), nan)
+    np.testing.assert_array_equal(
+        values[~nan].view(np.uint32), expected[~nan].view(np.uint32)
+    )
+
+
 def test_scale_is_the_smallest_power_of_two_within_the_margin():
     amax = np.array([448.0, 448.5, 449.0, 896.0, 1.0, 0.0, 3e38, 1e-30])
     for margin in (0, 1, 3):

@@ -14,6 +14,8 @@ the statistics of the quantizations as the carrier's gradient.
 Imports only `keras_mp.backend` and its `keras_mp.fp8` siblings.
 """
 
+import collections
+
 import keras
 from keras import ops
 
@@ -25,6 +27,23 @@ from keras_mp.fp8.quantize import quantize_reduced
 from keras_mp.fp8.recipe import BLOCK_SIZE
 
 
+def _operand(x, fmt, axes, margin):
+    """`x` quantized as a GEMM operand, and its scales."""
+    return quantize_reduced(x, fmt, axes, margin, operand=True)
+
+
+class _Dtypes(collections.namedtuple("_Dtypes", "out dx dw")):
+    """The dtypes the forward product and the two gradients are cast to:
+    a GEMM whose result is cast to bfloat16 may round to it itself."""
+
+
+def _gemm(equation, a, b, result_dtype):
+    """A product of quantized operands, accumulated in float32; bfloat16
+    where `result_dtype` is and the backend rounds there (see
+    `keras_mp.backend.fp8.einsum_float32`)."""
+    return fp8_backend.einsum_float32(equation, a, b, result_dtype)
+
+
 def _observe(rows, name, x, scale, fmt):
     """Records the statistics row of one quantization, when `rows` (a
     dict) asks for them; nothing at all when it is None."""
@@ -32,44 +51,44 @@ def _observe(rows, name, x, scale, fmt):
         rows[name] = stats_module.tensor_row(x, scale, fmt)
 
 
-def _tensorwise(x, w, recipe, rows):
+def _tensorwise(x, w, recipe, rows, dtypes):
     """One scale per tensor; the forward codes serve the backward GEMMs."""
     forward, backward, margin = _formats(recipe)
-    cx, sx = quantize_reduced(x, forward, None, margin)
-    cw, sw = quantize_reduced(w, forward, None, margin)
+    cx, sx = _operand(x, forward, None, margin)
+    cw, sw = _operand(w, forward, None, margin)
     _observe(rows, "input", x, sx, forward)
     _observe(rows, "kernel", w, sw, forward)
-    out = fp8_backend.einsum_float32("mk,kn->mn", cx, cw) * sx * sw
+    out = _gemm("mk,kn->mn", cx, cw, dtypes.out) * sx * sw
 
     def gradients(g):
-        cg, sg = quantize_reduced(g, backward, None, margin)
+        cg, sg = _operand(g, backward, None, margin)
         _observe(rows, "output_gradient", g, sg, backward)
-        dx = fp8_backend.einsum_float32("mn,kn->mk", cg, cw) * sg * sw
-        dw = fp8_backend.einsum_float32("mk,mn->kn", cx, cg) * sx * sg
+        dx = _gemm("mn,kn->mk", cg, cw, dtypes.dx) * sg * sw
+        dw = _gemm("mk,mn->kn", cx, cg, dtypes.dw) * sx * sg
         return dx, dw
 
     return out, gradients
 
 
-def _rowwise(x, w, recipe, rows):
+def _rowwise(x, w, recipe, rows, dtypes):
     """One scale per row of each GEMM's contracted axis: each operand is
     quantized again for each GEMM it enters along another axis."""
     forward, backward, margin = _formats(recipe)
-    cx, sx = quantize_reduced(x, forward, 1, margin)  # (M, 1)
-    cw, sw = quantize_reduced(w, forward, 0, margin)  # (1, N)
+    cx, sx = _operand(x, forward, 1, margin)  # (M, 1)
+    cw, sw = _operand(w, forward, 0, margin)  # (1, N)
     _observe(rows, "input", x, sx, forward)
     _observe(rows, "kernel", w, sw, forward)
-    out = fp8_backend.einsum_float32("mk,kn->mn", cx, cw) * sx * sw
+    out = _gemm("mk,kn->mn", cx, cw, dtypes.out) * sx * sw
 
     def gradients(g):
-        cg, sg = quantize_reduced(g, backward, 1, margin)  # (M, 1)
+        cg, sg = _operand(g, backward, 1, margin)  # (M, 1)
         _observe(rows, "output_gradient", g, sg, backward)
-        cw_n, sw_n = quantize_reduced(w, forward, 1, margin)  # (K, 1)
-        dx = fp8_backend.einsum_float32("mn,kn->mk", cg, cw_n)
+        cw_n, sw_n = _operand(w, forward, 1, margin)  # (K, 1)
+        dx = _gemm("mn,kn->mk", cg, cw_n, dtypes.dx)
         dx = dx * sg * ops.transpose(sw_n)
-        cx_m, sx_m = quantize_reduced(x, forward, 0, margin)  # (1, K)
-        cg_m, sg_m = quantize_reduced(g, backward, 0, margin)  # (1, N)
-        dw = fp8_backend.einsum_float32("mk,mn->kn", cx_m, cg_m)
+        cx_m, sx_m = _operand(x, forward, 0, margin)  # (1, K)
+        cg_m, sg_m = _operand(g, backward, 0, margin)  # (1, N)
+        dw = _gemm("mk,mn->kn", cx_m, cg_m, dtypes.dw)
         dw = dw * ops.transpose(sx_m) * sg_m
         return dx, dw
 
@@ -100,7 +119,7 @@ def _sum_tiles(partials):
     return total
 
 
-def _block(x, w, recipe, rows):
+def _block(x, w, recipe, rows, dtypes):
     """DeepSeek-V3's tiles: 1x128 along the contracted axis for
     activations and output gradients (128x1, 128 tokens, for the kernel
     gradient), 128x128 for the kernel. Each 128-chunk of the contracted
@@ -111,9 +130,9 @@ def _block(x, w, recipe, rows):
     tiles_k, tiles_n = k // BLOCK_SIZE, n // BLOCK_SIZE
     tiled_x = ops.reshape(x, (-1, tiles_k, BLOCK_SIZE))
     tiled_w = ops.reshape(w, (tiles_k, BLOCK_SIZE, tiles_n, BLOCK_SIZE))
-    cx, sx = quantize_reduced(tiled_x, forward, 2, margin)  # (M, tiles_k, 1)
+    cx, sx = _operand(tiled_x, forward, 2, margin)  # (M, tiles_k, 1)
     # sw: (tiles_k, 1, tiles_n, 1)
-    cw, sw = quantize_reduced(tiled_w, forward, (1, 3), margin)
+    cw, sw = _operand(tiled_w, forward, (1, 3), margin)
     _observe(rows, "input", tiled_x, sx, forward)
     _observe(rows, "kernel", tiled_w, sw, forward)
     partial = fp8_backend.einsum_float32("mtb,tbjc->tmjc", cx, cw)
@@ -122,17 +141,17 @@ def _block(x, w, recipe, rows):
 
     def gradients(g):
         tiled_g = ops.reshape(g, (-1, tiles_n, BLOCK_SIZE))
-        cg, sg = quantize_reduced(tiled_g, backward, 2, margin)  # (M, n/128, 1)
+        cg, sg = _operand(tiled_g, backward, 2, margin)  # (M, n/128, 1)
         _observe(rows, "output_gradient", tiled_g, sg, backward)
         partial = fp8_backend.einsum_float32("mjc,tbjc->jmtb", cg, cw)
         sg_t = ops.expand_dims(ops.transpose(sg, (1, 0, 2)), -1)
         sw_t = ops.transpose(sw, (2, 1, 0, 3))
         dx = ops.reshape(_sum_tiles(partial * sg_t * sw_t), (-1, k))
         # The kernel gradient contracts the tokens: tiles of 128 tokens.
-        cx_m, sx_m = quantize_reduced(
+        cx_m, sx_m = _operand(
             ops.reshape(_pad_rows(x), (-1, BLOCK_SIZE, k)), forward, 1, margin
         )  # sx_m: (tiles_m, 1, K)
-        cg_m, sg_m = quantize_reduced(
+        cg_m, sg_m = _operand(
             ops.reshape(_pad_rows(g), (-1, BLOCK_SIZE, n)), backward, 1, margin
         )  # sg_m: (tiles_m, 1, N)
         partial = fp8_backend.einsum_float32("sbk,sbn->skn", cx_m, cg_m)
@@ -258,10 +277,13 @@ def dot(x, kernel, recipe=None, output_dtype=None, stats=None):
     k, n = kernel.shape
     run = _GRANULARITIES[recipe.granularity]
 
+    dtypes = _Dtypes(output_dtype, x_dtype, kernel_dtype)
+
     def forward(x, kernel, rows):
         x_shape = ops.shape(x)
         x2 = ops.reshape(ops.cast(x, "float32"), (-1, k))
-        out, gradients = run(x2, ops.cast(kernel, "float32"), recipe, rows)
+        kernel = ops.cast(kernel, "float32")
+        out, gradients = run(x2, kernel, recipe, rows, dtypes)
         out = ops.reshape(out, (*x_shape[:-1], n))
 
         def backward(args, upstream):

@@ -105,7 +105,17 @@ def encode(y, fmt):
     return ops.cast(ops.where(ops.isinf(y), nonfinite, clipped), dtype)
 
 
-def quantize_reduced(x, fmt, axes, margin=0, scale=None):
+def gemm_operand(x, scale, fmt):
+    """What a GEMM multiplies for float32 `x` and its positive scales: the
+    FP8 codes of `x / scale` (`encode`), or, where the backend multiplies
+    FP8 values faster as float32 (PyTorch on a CPU), the very values of
+    those codes in float32 (`keras_mp.backend.fp8.round_to_format`)."""
+    if backend_fp8.rounds_to_values(x):
+        return backend_fp8.round_to_format(x, scale, fmt, FORMATS[fmt][1])
+    return encode(x / scale, fmt)
+
+
+def quantize_reduced(x, fmt, axes, margin=0, scale=None, operand=False):
     """Codes of float32 `x` and scales from its amax over `axes`.
 
     Args:
@@ -114,6 +124,9 @@ def quantize_reduced(x, fmt, axes, margin=0, scale=None):
         axes: The axes each scale covers (`None`: all of them).
         margin: Headroom in powers of two.
         scale: Scales to use instead (broadcastable to `x`), or None.
+        operand: Whether to return `gemm_operand`'s form of the codes
+            (for `keras_mp.backend.fp8.einsum_float32`) instead of FP8
+            codes.
 
     Returns:
         `(codes, scale)`, the scale with `axes` kept as size-1 dimensions.
@@ -122,6 +135,8 @@ def quantize_reduced(x, fmt, axes, margin=0, scale=None):
         # A NaN counts as inf: the scale must be non-finite.
         amax = backend_fp8.amax(x, axes)
         scale = scale_from_amax(amax, fmt, margin)
+    if operand:
+        return gemm_operand(x, scale, fmt), scale
     return encode(x / scale, fmt), scale
 
 
