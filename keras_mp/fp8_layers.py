@@ -13,6 +13,10 @@ Keras's own quantized layers included (Keras routes them to
 `quantized_call`, never to `call`), runs Keras's `call` unchanged. The hooks
 are installed once, on the classes, when keras_mp is imported.
 
+With LoRA (`layer.enable_lora(rank)`), the FP8 GEMM multiplies the frozen
+base kernel and the low-rank path `inputs @ A @ B * alpha / rank` runs in
+the compute dtype, added before the bias.
+
 A layer whose recipe has `stats=True` also owns a statistics carrier (see
 `keras_mp/fp8/stats.py`), the `fp8_stats` variable, passed to its GEMM; it
 is saved after the layer's other variables.
@@ -86,8 +90,6 @@ def decide(layer, is_output=None, ruled=False):
             layer._keras_mp_fp8_rules_recipe = None
             return
     reason = rules_module.DEFAULT_RULES.skip_reason(layer, recipe, is_output)
-    if reason is None and getattr(layer, "lora_enabled", False):
-        reason = "LoRA (not with FP8 yet)"
     layer._keras_mp_fp8_reason = reason
     target = base if reason else with_recipe(entry, recipe)
     _keras_internals.replace_layer_policy(layer, target)
@@ -165,18 +167,6 @@ def _call_recipe(layer):
     recipe = layer_recipe(layer)
     if recipe is None:
         return None
-    if layer.lora_enabled:
-        if getattr(layer, "_keras_mp_fp8_rules_recipe", None) is not None:
-            # LoRA enabled after the default rules chose this layer.
-            decide(layer)
-            return None
-        raise ValueError(
-            f"Layer {layer.name!r} has LoRA enabled and a policy with an "
-            "FP8 recipe: FP8 with LoRA is not supported yet. Received: "
-            f"fp8={recipe!r}. Give this layer a policy without `fp8` "
-            "(e.g. `keras_mp.precision_rules({layer_path: "
-            "'mixed_bfloat16'})`), or train it without LoRA."
-        )
     rules_module.check_layer(layer, recipe)
     if recipe.scaling != "current":
         raise ValueError(
@@ -205,6 +195,45 @@ def _stats_input(layer, recipe):
     return None if carrier is None else _stored(carrier)
 
 
+def _kernel(layer):
+    """The kernel the FP8 GEMM multiplies: with LoRA, the frozen base
+    kernel alone (Keras's `layer.kernel` adds the low-rank product, which
+    would then be rounded to FP8 with it and mostly lost)."""
+    if getattr(layer, "lora_enabled", False):
+        return _stored(layer._kernel)
+    return _stored(layer.kernel)
+
+
+def _lora(layer, inputs, x, equation=None):
+    """`x` plus the LoRA path of `layer`, if it has one: `inputs @ A @ B`
+    times `lora_alpha / lora_rank` in the compute dtype (not in FP8: the
+    low-rank update is small next to the kernel's FP8 rounding)."""
+    if not getattr(layer, "lora_enabled", False):
+        return x
+    dtype = layer.compute_dtype
+    a = keras.ops.cast(layer.lora_kernel_a, dtype)
+    b = keras.ops.cast(layer.lora_kernel_b, dtype)
+    if equation is None:
+        low_rank = keras.ops.matmul(keras.ops.matmul(inputs, a), b)
+    else:
+        # The kernel `...l` is `A[..., r] @ B[r, l]`: one three-operand
+        # einsum, which contracts the small rank axis first.
+        operands, output = equation.split("->")
+        x_spec, kernel_spec = operands.split(",")
+        rank = next(
+            c for c in "rstuvwxyzqponmlkjihgfedcba" if c not in equation
+        )
+        last = kernel_spec[-1]
+        low_rank = keras.ops.einsum(
+            f"{x_spec},{kernel_spec[:-1]}{rank},{rank}{last}->{output}",
+            inputs,
+            a,
+            b,
+        )
+    scale = layer.lora_alpha / layer.lora_rank
+    return keras.ops.add(x, keras.ops.multiply(low_rank, scale))
+
+
 def _bias_and_activation(layer, x):
     if layer.bias is not None:
         x = keras.ops.add(x, layer.bias)
@@ -226,12 +255,12 @@ def _install_call_hooks():
             return dense_call(self, inputs, training=training)
         x = fp8.dot(
             inputs,
-            _stored(self.kernel),
+            _kernel(self),
             recipe=recipe,
             output_dtype=self.compute_dtype,
             stats=_stats_input(self, recipe),
         )
-        return _bias_and_activation(self, x)
+        return _bias_and_activation(self, _lora(self, inputs, x))
 
     @functools.wraps(einsum_call)
     def einsum_dense(self, inputs, training=None):
@@ -241,11 +270,12 @@ def _install_call_hooks():
         x = fp8.einsum(
             self.equation,
             inputs,
-            _stored(self.kernel),
+            _kernel(self),
             recipe=recipe,
             output_dtype=self.compute_dtype,
             stats=_stats_input(self, recipe),
         )
+        x = _lora(self, inputs, x, self.equation)
         return _bias_and_activation(self, x)
 
     dense._keras_mp_hook = True

@@ -188,12 +188,15 @@ class TestDefaultRules:
         )
         assert keras_mp.policy.layer_policy(mid).fp8 == _RECIPE
 
-    def test_a_lora_layer_is_skipped_by_the_rules(self):
+    def test_a_lora_layer_takes_the_rules_recipe(self):
+        # Its base GEMM runs in FP8, the low-rank path outside it
+        # (tests/fp8_lora_test.py).
         keras_mp.set_global_policy("mixed_bfloat16", fp8=True)
         layer = keras.layers.Dense(32, lora_rank=4)
         layer.build((None, 64))
-        assert layer.dtype_policy.fp8 is None
-        assert _fp8_rows(layer)[layer.name] == "LoRA (not with FP8 yet)"
+        assert layer.lora_enabled
+        assert layer.dtype_policy.fp8 == fp8.DEFAULT_RECIPE
+        assert _fp8_rows(layer)[layer.name] == "current/tensorwise/hybrid"
 
 
 class TestExplicitRecipes:
@@ -238,14 +241,6 @@ class TestExplicitRecipes:
             layer.build((None, 10))
         assert "granularity='rowwise'" in str(info.value)
         keras.layers.Dense(128, dtype=policy).build((None, 256))
-
-    def test_lora_on_an_explicit_fp8_layer_raises_with_the_fix(self):
-        policy = keras_mp.Policy("mixed_bfloat16", fp8=True)
-        layer = keras.layers.Dense(32, dtype=policy)
-        layer.build((None, 64))
-        layer.enable_lora(4)
-        with pytest.raises(ValueError, match="FP8 with LoRA is not supported"):
-            layer(keras.ops.ones((2, 64)))
 
     def test_a_saved_model_reloads_with_its_recipes(self, tmp_path):
         keras_mp.set_global_policy("mixed_bfloat16", fp8=_RECIPE)

@@ -126,3 +126,8 @@ def test_fp8_guide_tracks_bfloat16_within_a_hundredth_of_a_nat(tmp_path):
     # Explain_precision lists the GEMMs in FP8, and the head without.
     assert output.count("current/tensorwise/hybrid") == 6
     assert "output layer" in output
+    # LoRA fine-tunes the FP8 model: the loss falls, the kernels stay.
+    lora = output.split("## 5.")[1]
+    before, after = map(float, lora.split("chain: ")[1].split()[::2][:2])
+    assert after < before
+    assert "frozen FP8 kernels bit-identical: True" in lora
