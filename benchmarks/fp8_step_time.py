@@ -18,8 +18,10 @@ Every model is compiled and warmed up first; then, in each repeat, every
 variant runs `fit` for `--steps` steps, the order rotating between repeats
 so that machine load drifts evenly over them. The table shows each
 variant's median ms/step and its ratio to mixed_bfloat16 and to
-keras_float8 (below 1 is faster). On a CPU every FP8 variant is emulation
-(FP8 codes multiplied in float32): these ratios measure the cost of the
+keras_float8 (below 1 is faster): the median over repeats of the two
+variants' times in the same repeat, so that the machine's drift between
+repeats cancels. On a CPU every FP8 variant is emulation (FP8 values
+multiplied in float32 or bfloat16): these ratios measure the cost of the
 quantization around the GEMMs, not FP8 GEMM speed, which needs a GPU with
 FP8 tensor cores.
 
@@ -217,21 +219,27 @@ def format_table(args, step_times):
     for variant, times in step_times.items():
         ratios = []
         for base in ("mixed_bfloat16", "keras_float8"):
-            ratio = (
-                medians[variant] / medians[base] if base in medians else None
-            )
+            ratio = paired_ratio(step_times, variant, base)
             ratios.append("-" if ratio is None else f"{ratio:.3f}")
         lines.append(
             f"{variant:<24} {medians[variant] * 1e3:>15.2f} "
             f"{min(times) * 1e3:>12.2f} {ratios[0]:>16} {ratios[1]:>14}"
         )
     for variant in RECIPES:
-        if variant in medians and "keras_float8" in medians:
-            lines.append(
-                f"{variant}/keras_float8 = "
-                f"{medians[variant] / medians['keras_float8']:.3f}"
-            )
+        ratio = paired_ratio(step_times, variant, "keras_float8")
+        if ratio is not None:
+            lines.append(f"{variant}/keras_float8 = {ratio:.3f}")
     return "\n".join(lines)
+
+
+def paired_ratio(step_times, variant, base):
+    """The median over repeats of `variant`'s time over `base`'s in the same
+    repeat (run back to back, so that the machine's drift cancels), or
+    None when `base` did not run."""
+    if variant not in step_times or base not in step_times:
+        return None
+    pairs = zip(step_times[variant], step_times[base], strict=True)
+    return statistics.median(mine / theirs for mine, theirs in pairs)
 
 
 def main(argv=None):
