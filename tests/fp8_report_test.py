@@ -654,3 +654,70 @@ def test_the_callback_checks_its_arguments_and_the_model():
             verbose=0,
             callbacks=[keras_mp.callbacks.FP8Report()],
         )
+
+
+_DATA_PARALLEL = """
+import json
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import keras
+import numpy as np
+
+import keras_mp
+from keras_mp import fp8
+from keras_mp.fp8 import stats
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(32, 64)).astype("float32")
+x[16:] *= 100  # the second device's half of the batch holds the largest inputs
+y = rng.normal(size=(32, 4)).astype("float32")
+
+
+def carrier(distribution):
+    keras.distribution.set_distribution(distribution)
+    keras_mp.set_global_policy("mixed_bfloat16", fp8=fp8.Recipe(stats=True))
+    try:
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((64,))
+        hidden = keras.layers.Dense(64, name="up")(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(4, name="out")(hidden))
+        model.compile(keras.optimizers.Adam(1e-3), "mse")
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        value = stats.layer_carrier(model.get_layer("up"))
+        return keras.ops.convert_to_numpy(value).tolist()
+    finally:
+        keras_mp.set_global_policy(None)
+        keras.distribution.set_distribution(None)
+
+
+devices = keras.distribution.list_devices("cpu")
+assert len(devices) == 2, devices
+one = carrier(None)
+two = carrier(keras.distribution.DataParallel(devices=devices))
+print("RESULT " + json.dumps({"one": one, "two": two}))
+"""
+
+
+@pytest.mark.backends("jax")
+@pytest.mark.slow
+def test_data_parallel_statistics_are_the_global_batchs_as_on_one_device():
+    # The carrier's gradient is summed over the batch's shards: the highest
+    # bin is the global amax (held by the second device's rows) and the
+    # counts are the global batch's, bit for bit one device's.
+    import json
+
+    out = keras_mp.testing.run_python(
+        _DATA_PARALLEL, env={"KERAS_BACKEND": "jax"}
+    )
+    line = [row for row in out.splitlines() if row.startswith("RESULT ")][-1]
+    result = json.loads(line[len("RESULT ") :])
+    one = np.asarray(result["one"], "float32")
+    two = np.asarray(result["two"], "float32")
+    assert_bitwise_equal(two, one)
+    row = fp8_stats.TENSORS.index("input")
+    assert one[row, fp8_stats.COUNT] == 32 * 64
+    top_bin = np.nonzero(one[row, : fp8_stats.FINITE_BINS])[0].max()
+    # 2 * biased exponent (+1 above 1.75 * 2**k): an amax of 100x the
+    # standard normal's is in [2**8, 2**9).
+    assert 2 * (127 + 8) <= top_bin < 2 * (127 + 9), top_bin
