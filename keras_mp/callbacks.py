@@ -99,20 +99,20 @@ def find_loss_scale_optimizer(optimizer):
     return None
 
 
-def _parse_update_freq(update_freq):
-    if update_freq == "epoch":
+def _batch_period(name, value, allow_batch=False):
+    """None for `"epoch"`, else the number of batches between two reports:
+    a positive int (or, with `allow_batch`, `"batch"` for 1)."""
+    if value == "epoch":
         return None
-    if update_freq == "batch":
+    if allow_batch and value == "batch":
         return 1
-    if (
-        isinstance(update_freq, int)
-        and not isinstance(update_freq, bool)
-        and update_freq >= 1
-    ):
-        return update_freq
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    choices = "'epoch', 'batch'" if allow_batch else "'epoch'"
     raise ValueError(
-        "`update_freq` must be 'epoch', 'batch' or a positive int (every that "
-        f"many batches). Received: update_freq={update_freq!r}"
+        f"`{name}` must be {choices} or a positive int (every that many "
+        f"training batches). Received: {name}={value!r}. Pass {name}='epoch' "
+        f"or e.g. {name}=100."
     )
 
 
@@ -166,7 +166,9 @@ class LossScaleLogger(keras.callbacks.Callback):
 
     def __init__(self, update_freq="epoch"):
         super().__init__()
-        self._batch_period = _parse_update_freq(update_freq)
+        self._batch_period = _batch_period(
+            "update_freq", update_freq, allow_batch=True
+        )
         self.update_freq = update_freq
         self._optimizer = None
 
@@ -355,14 +357,7 @@ class FP8Report(keras.callbacks.Callback):
         super().__init__()
         self.saturated = _check_fraction("saturated", saturated)
         self.flushed = _check_fraction("flushed", flushed)
-        if every != "epoch" and (
-            isinstance(every, bool) or not isinstance(every, int) or every < 1
-        ):
-            raise ValueError(
-                '`every` is "epoch" or a positive int (a number of training '
-                f'batches). Received: every={every!r}. Pass every="epoch" '
-                "or e.g. every=100."
-            )
+        self._period = _batch_period("every", every)
         if print_fn is not None and not callable(print_fn):
             raise ValueError(
                 "`print_fn` is a function that prints a line, or None for "
@@ -385,9 +380,9 @@ class FP8Report(keras.callbacks.Callback):
             )
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.every != "epoch" and (batch + 1) % self.every == 0:
+        if self._period is not None and (batch + 1) % self._period == 0:
             self._check(f"Batch {batch + 1}")
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.every == "epoch":
+        if self._period is None:
             self._check(f"Epoch {epoch + 1}")
