@@ -38,7 +38,8 @@ def explain_precision(model, rules=None, print_fn=print):
         nests): `layer` (its path, or its name for layers without weights),
         `class_name`, `variable_dtype`, `compute_dtype`, `output_dtype`,
         `rule` and `fp8`: the layer's FP8 recipe as
-        `"scaling/granularity/formats"` (e.g. `"current/tensorwise/hybrid"`),
+        `"scaling/granularity/formats"` (e.g. `"current/tensorwise/hybrid"`;
+        `" margin=1"` and `" +stats"` follow where the recipe has them),
         or why it has none: `"output layer"`, `"embedding"`, `"no GEMM"`,
         `"dims 10x3 not multiples of 16"` (what `keras_mp.fp8.DEFAULT_RULES`
         skipped), `"precision rule"` (a rule gave it a policy), or `"off"`.

@@ -99,7 +99,10 @@ def describe(layer, policy):
     """The FP8 column of `explain_precision`: the recipe, or why none."""
     recipe = policy.fp8 if isinstance(policy, Policy) else None
     if recipe is not None:
-        return f"{recipe.scaling}/{recipe.granularity}/{recipe.formats}"
+        text = f"{recipe.scaling}/{recipe.granularity}/{recipe.formats}"
+        if recipe.margin:
+            text += f" margin={recipe.margin}"
+        return text + (" +stats" if recipe.stats else "")
     reason = getattr(layer, "_keras_mp_fp8_reason", None)
     if reason is not None:
         return reason

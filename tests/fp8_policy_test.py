@@ -160,7 +160,7 @@ class TestDefaultRules:
         model = _mlp()
         rows = _fp8_rows(model)
         assert rows["mid"] == "precision rule"
-        assert rows["up"] == "current/rowwise/e4m3"
+        assert rows["up"] == "current/rowwise/e4m3 margin=1"
 
     def test_lone_and_subclassed_layers_are_decided_when_built(self):
         keras_mp.set_global_policy("mixed_bfloat16", fp8=True)

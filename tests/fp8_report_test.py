@@ -240,6 +240,9 @@ def _two_layer_model(policy, units=16, inputs=32, name="fp8"):
 
 def test_the_carrier_is_a_zero_trainable_overwritten_float32_variable():
     model = _two_layer_model(_stats_policy("mixed_bfloat16"))
+    rows = keras_mp.explain_precision(model, print_fn=None)
+    assert rows[1]["layer"] == "fp8"
+    assert rows[1]["fp8"] == "current/tensorwise/hybrid +stats"
     carrier = _carrier(model.get_layer("fp8"))
     assert carrier.path == "fp8/fp8_stats"
     assert carrier.trainable and carrier.overwrite_with_gradient
