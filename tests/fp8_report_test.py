@@ -316,6 +316,32 @@ def test_fit_holds_each_steps_statistics_in_the_carrier():
     )
 
 
+@pytest.mark.parametrize("wrapped", [False, True], ids=["keras", "keras_mp"])
+def test_an_accumulation_window_keeps_every_micro_steps_bins(wrapped):
+    # Keras's optimizer takes the max of overwritten gradients over the
+    # window and assigns it at the last micro-step; keras_mp's wrapper
+    # passes the carrier to it as it is.
+    keras.utils.set_random_seed(0)
+    model = _two_layer_model(_stats_policy())
+    optimizer = keras.optimizers.Adam(1e-3, gradient_accumulation_steps=2)
+    if wrapped:
+        optimizer = keras_mp.OptimizerWrapper(optimizer)
+    model.compile(optimizer, loss="mse")
+    x = np.random.default_rng(1).normal(size=(16, 32)).astype("float32")
+    x[:8] *= 100  # the first micro-batch holds the largest inputs
+    layer = model.get_layer("fp8")
+    model.train_on_batch(x[:8], np.zeros((8, 1), "float32"))
+    # Mid-window: nothing assigned yet.
+    assert not to_numpy(_carrier(layer)).any()
+    model.train_on_batch(x[8:], np.zeros((8, 1), "float32"))
+    got = to_numpy(_carrier(layer))[0]
+    first = _reference_row(x[:8], "e4m3", "tensorwise")
+    second = _reference_row(x[8:], "e4m3", "tensorwise")
+    np.testing.assert_array_equal(got, np.maximum(first, second))
+    bins = np.flatnonzero(got[: fp8_stats.HISTOGRAM_BINS])
+    assert bins.size == 2 and first[bins[-1]] == 1
+
+
 def test_statistics_change_no_number_of_the_training():
     def trained(stats):
         keras.utils.set_random_seed(0)

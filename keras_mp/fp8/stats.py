@@ -25,12 +25,13 @@ counted all the same for delayed scaling to reuse this channel).
 Autodiff sums a carrier's gradient over the calls of a layer in a step (and
 over the batch's shards under JAX's `DataParallel`); keras_mp's optimizers
 take the max of overwritten gradients across tf.distribute replicas (a
-plain Keras optimizer keeps one replica's). The highest non-empty bin is
-the step's amax under both; the counts are the step's under the sum, and
-under the max those of the worst replica. With `gradient_accumulation_steps`
-Keras's optimizer assigns the carrier at every micro-step, so it holds the
-last micro-step's statistics. Counts are float32: exact up to 2**24 values
-per tensor, beyond that within a relative 2**-24 (fractions stay right).
+plain Keras optimizer keeps one replica's), and Keras's optimizer takes
+their max over a `gradient_accumulation_steps` window, assigning it at the
+window's last micro-step. The bins present are those of every call,
+replica and micro-step, the highest being the step's amax; the counts are
+the step's under the sum, and under the max those of the worst replica or
+micro-step. Counts are float32: exact up to 2**24 values per tensor,
+beyond that within a relative 2**-24 (fractions stay right).
 
 Imports only `keras_mp._keras_internals`, `keras_mp.backend` and
 `keras_mp.fp8.quantize`.
