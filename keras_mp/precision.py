@@ -287,11 +287,18 @@ def layer_path(layer):
     return layer.path if layer.path is not None else layer.name
 
 
-def walk_layers(layer, into_models):
+def walk_layers(layer, into_models, seen=None):
+    """The layers inside `layer`, depth first, each once (a layer two
+    parents hold, as keras-hub's task and backbone share an embedding,
+    where it is first reached); into nested models only if `into_models`."""
+    seen = {id(layer)} if seen is None else seen
     for sublayer in layer._flatten_layers(include_self=False, recursive=False):
+        if id(sublayer) in seen:
+            continue
+        seen.add(id(sublayer))
         yield sublayer
         if into_models or not isinstance(sublayer, keras.Model):
-            yield from walk_layers(sublayer, into_models)
+            yield from walk_layers(sublayer, into_models, seen)
 
 
 def output_layers(model):

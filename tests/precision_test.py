@@ -330,6 +330,27 @@ class TestExplainPrecision:
         with pytest.raises(TypeError, match="Received: model="):
             keras_mp.explain_precision("model")
 
+    def test_a_layer_held_by_two_parents_has_one_row(self):
+        # As keras-hub's CausalLM and its backbone both hold the embedding.
+        class Holder(keras.layers.Layer):
+            def __init__(self, *held, **kwargs):
+                super().__init__(**kwargs)
+                self.held = list(held)
+
+            def call(self, x):
+                for layer in self.held:
+                    x = layer(x)
+                return x
+
+        shared = keras.layers.Dense(8, name="shared")
+        inner = Holder(shared, name="inner")
+        outer = Holder(inner, shared, name="outer")
+        outer(keras.ops.ones((2, 8)))
+        rows = keras_mp.explain_precision(outer, print_fn=None)
+        names = [row["layer"] for row in rows]
+        assert sorted(names) == sorted(set(names))
+        assert len(rows) == 3
+
 
 class TestKerasInternals:
     def test_producing_operation_is_the_layer_that_made_a_tensor(self):
