@@ -131,8 +131,10 @@ def test_a_keras_hub_decoder_trains_with_its_gemms_in_fp8(name):
         layer for layer, fp8 in recipes.items() if fp8.startswith("current/")
     }
     assert in_fp8 == gemms
-    # The tied embedding (a lookup, and the logits' GEMM) is left out.
+    # The tied embedding (a lookup, and the logits' GEMM) is left out, and
+    # listed once though the task and its backbone both hold it.
     assert recipes["token_embedding"] == "embedding"
+    assert [row["layer"] for row in rows].count("token_embedding") == 1
     _, bf16_first, bf16_last = _train(build, fp8=None)
     # The first step's loss is the untrained model's, ln(128) = 4.85.
     assert abs(first - bf16_first) < 0.01, (first, bf16_first)
