@@ -15,7 +15,11 @@ are installed once, on the classes, when keras_mp is imported.
 
 With LoRA (`layer.enable_lora(rank)`), the FP8 GEMM multiplies the frozen
 base kernel and the low-rank path `inputs @ A @ B * alpha / rank` runs in
-the compute dtype, added before the bias.
+the compute dtype, added before the bias. Keras saves such a layer's kernel
+with `A @ B` merged in (what a layer without LoRA loads); the save hook
+also stores W, A and B under their own names, which an FP8 layer with LoRA
+reloads as they were (the merged kernel, rounded to FP8, would lose a small
+update).
 
 A layer whose recipe has `stats=True` also owns a statistics carrier (see
 `keras_mp/fp8/stats.py`), the `fp8_stats` variable, passed to its GEMM; it
@@ -313,6 +317,25 @@ def _build_hook(original):
 # Dense and EinsumDense save and load their variables by a list of names
 # (kernel, bias, quantization state) and check that the file holds as many
 # entries as the layer has variables: the carrier goes last.
+# Named entries of an FP8 layer with LoRA, besides Keras's merged kernel.
+_LORA_ENTRIES = (
+    "fp8_lora_base_kernel",
+    "fp8_lora_kernel_a",
+    "fp8_lora_kernel_b",
+)
+
+
+def _lora_variables(layer):
+    return (layer._kernel, layer.lora_kernel_a, layer.lora_kernel_b)
+
+
+def _saves_lora(layer):
+    return (
+        getattr(layer, "lora_enabled", False)
+        and layer_recipe(layer) is not None
+    )
+
+
 def _save_hook(original):
     @functools.wraps(original)
     def save_own_variables(self, store):
@@ -320,6 +343,12 @@ def _save_hook(original):
         carrier = stats_module.layer_carrier(self)
         if carrier is not None:
             store[str(len(store.keys()))] = carrier
+        if _saves_lora(self):
+            # Keras saves `W + A @ B` as the kernel (what a layer without
+            # LoRA loads). An FP8 layer with LoRA reloads W, A and B as
+            # they were: its GEMM rounds W alone to FP8.
+            for name, variable in zip(_LORA_ENTRIES, _lora_variables(self)):
+                store[name] = variable
 
     return save_own_variables
 
@@ -346,26 +375,47 @@ class _StoreView:
 def _load_hook(original):
     @functools.wraps(original)
     def load_own_variables(self, store):
-        carrier = stats_module.layer_carrier(self)
-        keys = [str(i) for i in range(len(store.keys()))]
-        own = len(_keras_internals.own_variables(self))
-        last = keys[-1] if keys else None
-        saved = (
-            last is not None
-            and tuple(getattr(store[last], "shape", ())) == stats_module.SHAPE
-        )
-        if carrier is not None and saved and len(keys) == own:
-            original(self, store)
-            carrier.assign(store[last])
-        elif carrier is not None and len(keys) == own - 1:
-            # Never read: Dense reads its own entries by index.
-            original(self, _StoreView(store, [*keys, "fp8_stats"]))
-        elif carrier is None and saved and len(keys) == own + 1:
-            original(self, _StoreView(store, keys[:-1]))
-        else:
-            original(self, store)
+        names = set(store.keys())
+        lora = [store[name] for name in _LORA_ENTRIES if name in names]
+        if lora:
+            # Keras's loader counts the entries: it sees the others only.
+            store = _StoreView(
+                store, sorted(names - set(_LORA_ENTRIES), key=int)
+            )
+        _load_carrier(self, store, original)
+        if lora and _saves_lora(self):
+            variables = _lora_variables(self)
+            shapes = [tuple(v.shape) for v in variables]
+            if [tuple(value.shape) for value in lora] == shapes:
+                for variable, value in zip(variables, lora):
+                    variable.assign(value)
 
     return load_own_variables
+
+
+def _load_carrier(layer, store, original):
+    """Dense's loader, around the statistics carrier the file or the layer
+    may have."""
+    carrier = stats_module.layer_carrier(layer)
+    keys = [str(i) for i in range(len(store.keys()))]
+    own = len(_keras_internals.own_variables(layer))
+    if getattr(layer, "lora_enabled", False):
+        own -= 2  # Keras saves the merged kernel, not A and B
+    last = keys[-1] if keys else None
+    saved = (
+        last is not None
+        and tuple(getattr(store[last], "shape", ())) == stats_module.SHAPE
+    )
+    if carrier is not None and saved and len(keys) == own:
+        original(layer, store)
+        carrier.assign(store[last])
+    elif carrier is not None and len(keys) == own - 1:
+        # Never read: Dense reads its own entries by index.
+        original(layer, _StoreView(store, [*keys, "fp8_stats"]))
+    elif carrier is None and saved and len(keys) == own + 1:
+        original(layer, _StoreView(store, keys[:-1]))
+    else:
+        original(layer, store)
 
 
 _install_call_hooks()

@@ -123,3 +123,83 @@ def test_fit_trains_the_low_rank_weights_and_leaves_the_fp8_base_alone():
             assert np.isfinite(to_numpy(lora_b)).all()
     finally:
         keras_mp.set_global_policy("float32")
+
+
+def _fine_tuned():
+    """The LoRA model after a few steps of `fit`, and its inputs."""
+    keras_mp.set_global_policy("mixed_bfloat16", fp8=True)
+    try:
+        model = _lora_model()
+        model.get_layer("up").enable_lora(4)
+        model.get_layer("proj").enable_lora(4)
+    finally:
+        keras_mp.set_global_policy("float32")
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(16, 16, 64)).astype(np.float32)
+    y = rng.normal(size=(16, 4)).astype(np.float32)
+    model.compile(keras.optimizers.Adam(1e-2), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    return model, x
+
+
+def _lora_state(model):
+    return {
+        f"{name}/{part}": to_numpy(
+            _stored(getattr(model.get_layer(name), part))
+        )
+        for name in ("up", "proj")
+        for part in ("_kernel", "lora_kernel_a", "lora_kernel_b")
+    }
+
+
+def test_weights_reload_into_a_fresh_lora_model_exactly(tmp_path):
+    # Keras saves the kernel with A @ B merged into it (rounded to the
+    # compute dtype); rounded again to FP8, a small update would be lost.
+    # keras_mp also saves W, A and B, and an FP8 layer with LoRA reloads
+    # them as they were: the same predictions, bit for bit.
+    model, x = _fine_tuned()
+    path = str(tmp_path / "lora.weights.h5")
+    model.save_weights(path)
+    keras_mp.set_global_policy("mixed_bfloat16", fp8=True)
+    try:
+        fresh = _lora_model()
+        fresh.get_layer("up").enable_lora(4)
+        fresh.get_layer("proj").enable_lora(4)
+    finally:
+        keras_mp.set_global_policy("float32")
+    fresh.load_weights(path)
+    expected = _lora_state(model)
+    for key, value in _lora_state(fresh).items():
+        np.testing.assert_array_equal(value, expected[key], err_msg=key)
+    np.testing.assert_array_equal(
+        to_numpy(fresh.predict(x, verbose=0)),
+        to_numpy(model.predict(x, verbose=0)),
+    )
+    # A model without LoRA loads Keras's merged kernel, as it would from
+    # Keras alone.
+    keras_mp.set_global_policy("mixed_bfloat16", fp8=True)
+    try:
+        plain = _lora_model()
+    finally:
+        keras_mp.set_global_policy("float32")
+    plain.load_weights(path)
+    layer = model.get_layer("up")
+    merged = to_numpy(layer.kernel).astype(np.float32)  # Keras's merge
+    np.testing.assert_array_equal(
+        to_numpy(_stored(plain.get_layer("up").kernel)), merged
+    )
+
+
+def test_a_saved_lora_model_reloads_and_predicts_the_same(tmp_path):
+    model, x = _fine_tuned()
+    path = str(tmp_path / "lora.keras")
+    model.save(path)
+    reloaded = keras.saving.load_model(path)
+    assert reloaded.get_layer("up").lora_enabled
+    expected = _lora_state(model)
+    for key, value in _lora_state(reloaded).items():
+        np.testing.assert_array_equal(value, expected[key], err_msg=key)
+    np.testing.assert_array_equal(
+        to_numpy(reloaded.predict(x, verbose=0)),
+        to_numpy(model.predict(x, verbose=0)),
+    )
