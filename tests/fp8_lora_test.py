@@ -203,3 +203,42 @@ def test_a_saved_lora_model_reloads_and_predicts_the_same(tmp_path):
         to_numpy(reloaded.predict(x, verbose=0)),
         to_numpy(model.predict(x, verbose=0)),
     )
+
+
+def test_a_lora_layer_with_statistics_reloads_its_carrier(tmp_path):
+    # Keras saves no A and B entries: the carrier is found after the
+    # entries Keras does save.
+    from keras_mp.fp8 import stats
+
+    def build():
+        keras_mp.set_global_policy("mixed_bfloat16", fp8=fp8.Recipe(stats=True))
+        try:
+            inputs = keras.Input((64,))
+            hidden = keras.layers.Dense(64, name="up")(inputs)
+            model = keras.Model(
+                inputs, keras.layers.Dense(4, name="out")(hidden)
+            )
+            model.get_layer("up").enable_lora(4)
+        finally:
+            keras_mp.set_global_policy("float32")
+        return model
+
+    keras.utils.set_random_seed(0)
+    model = build()
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(16, 64)).astype(np.float32)
+    model.compile(keras.optimizers.Adam(1e-2), loss="mse")
+    model.fit(x, np.zeros((16, 4), np.float32), epochs=2, verbose=0)
+    path = str(tmp_path / "lora_stats.weights.h5")
+    model.save_weights(path)
+    fresh = build()
+    fresh.load_weights(path)
+    carrier = to_numpy(stats.layer_carrier(model.get_layer("up")))
+    assert carrier.any()
+    np.testing.assert_array_equal(
+        to_numpy(stats.layer_carrier(fresh.get_layer("up"))), carrier
+    )
+    np.testing.assert_array_equal(
+        to_numpy(fresh.predict(x, verbose=0)),
+        to_numpy(model.predict(x, verbose=0)),
+    )
