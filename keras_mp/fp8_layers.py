@@ -202,11 +202,15 @@ def _stats_input(layer, recipe):
     return None if carrier is None else _stored(carrier)
 
 
+def _has_lora(layer):
+    return getattr(layer, "lora_enabled", False)
+
+
 def _kernel(layer):
     """The kernel the FP8 GEMM multiplies: with LoRA, the frozen base
     kernel alone (Keras's `layer.kernel` adds the low-rank product, which
     would then be rounded to FP8 with it and mostly lost)."""
-    if getattr(layer, "lora_enabled", False):
+    if _has_lora(layer):
         return _stored(layer._kernel)
     return _stored(layer.kernel)
 
@@ -215,7 +219,7 @@ def _lora(layer, inputs, x, equation=None):
     """`x` plus the LoRA path of `layer`, if it has one: `inputs @ A @ B`
     times `lora_alpha / lora_rank` in the compute dtype (not in FP8: the
     low-rank update is small next to the kernel's FP8 rounding)."""
-    if not getattr(layer, "lora_enabled", False):
+    if not _has_lora(layer):
         return x
     dtype = layer.compute_dtype
     a = keras.ops.cast(layer.lora_kernel_a, dtype)
@@ -314,9 +318,6 @@ def _build_hook(original):
     return build
 
 
-# Dense and EinsumDense save and load their variables by a list of names
-# (kernel, bias, quantization state) and check that the file holds as many
-# entries as the layer has variables: the carrier goes last.
 # Named entries of an FP8 layer with LoRA, besides Keras's merged kernel.
 _LORA_ENTRIES = (
     "fp8_lora_base_kernel",
@@ -330,12 +331,12 @@ def _lora_variables(layer):
 
 
 def _saves_lora(layer):
-    return (
-        getattr(layer, "lora_enabled", False)
-        and layer_recipe(layer) is not None
-    )
+    return _has_lora(layer) and layer_recipe(layer) is not None
 
 
+# Dense and EinsumDense save and load their variables by a list of names
+# (kernel, bias, quantization state) and check that the file holds as many
+# entries as the layer has variables: the carrier goes last.
 def _save_hook(original):
     @functools.wraps(original)
     def save_own_variables(self, store):
@@ -376,14 +377,17 @@ def _load_hook(original):
     @functools.wraps(original)
     def load_own_variables(self, store):
         names = set(store.keys())
-        lora = [store[name] for name in _LORA_ENTRIES if name in names]
-        if lora:
+        entries = [name for name in _LORA_ENTRIES if name in names]
+        full = store
+        if entries:
             # Keras's loader counts the entries: it sees the others only.
             store = _StoreView(
                 store, sorted(names - set(_LORA_ENTRIES), key=int)
             )
         _load_carrier(self, store, original)
-        if lora and _saves_lora(self):
+        if entries and _saves_lora(self):
+            # Read only here: a layer without LoRA keeps the merged kernel.
+            lora = [full[name] for name in entries]
             variables = _lora_variables(self)
             shapes = [tuple(v.shape) for v in variables]
             if [tuple(value.shape) for value in lora] == shapes:
@@ -399,7 +403,7 @@ def _load_carrier(layer, store, original):
     carrier = stats_module.layer_carrier(layer)
     keys = [str(i) for i in range(len(store.keys()))]
     own = len(_keras_internals.own_variables(layer))
-    if getattr(layer, "lora_enabled", False):
+    if _has_lora(layer):
         own -= 2  # Keras saves the merged kernel, not A and B
     last = keys[-1] if keys else None
     saved = (

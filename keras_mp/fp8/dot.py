@@ -37,13 +37,6 @@ class _Dtypes(collections.namedtuple("_Dtypes", "out dx dw")):
     a GEMM whose result is cast to bfloat16 may round to it itself."""
 
 
-def _gemm(equation, a, b, result_dtype):
-    """A product of quantized operands, accumulated in float32; bfloat16
-    where `result_dtype` is and the backend rounds there (see
-    `keras_mp.backend.fp8.einsum_float32`)."""
-    return fp8_backend.einsum_float32(equation, a, b, result_dtype)
-
-
 def _observe(rows, name, x, scale, fmt):
     """Records the statistics row of one quantization, when `rows` (a
     dict) asks for them; nothing at all when it is None."""
@@ -58,13 +51,17 @@ def _tensorwise(x, w, recipe, rows, dtypes):
     cw, sw = _operand(w, forward, None, margin)
     _observe(rows, "input", x, sx, forward)
     _observe(rows, "kernel", w, sw, forward)
-    out = _gemm("mk,kn->mn", cx, cw, dtypes.out) * sx * sw
+    out = fp8_backend.einsum_float32("mk,kn->mn", cx, cw, dtypes.out) * sx * sw
 
     def gradients(g):
         cg, sg = _operand(g, backward, None, margin)
         _observe(rows, "output_gradient", g, sg, backward)
-        dx = _gemm("mn,kn->mk", cg, cw, dtypes.dx) * sg * sw
-        dw = _gemm("mk,mn->kn", cx, cg, dtypes.dw) * sx * sg
+        dx = (
+            fp8_backend.einsum_float32("mn,kn->mk", cg, cw, dtypes.dx) * sg * sw
+        )
+        dw = (
+            fp8_backend.einsum_float32("mk,mn->kn", cx, cg, dtypes.dw) * sx * sg
+        )
         return dx, dw
 
     return out, gradients
@@ -78,17 +75,17 @@ def _rowwise(x, w, recipe, rows, dtypes):
     cw, sw = _operand(w, forward, 0, margin)  # (1, N)
     _observe(rows, "input", x, sx, forward)
     _observe(rows, "kernel", w, sw, forward)
-    out = _gemm("mk,kn->mn", cx, cw, dtypes.out) * sx * sw
+    out = fp8_backend.einsum_float32("mk,kn->mn", cx, cw, dtypes.out) * sx * sw
 
     def gradients(g):
         cg, sg = _operand(g, backward, 1, margin)  # (M, 1)
         _observe(rows, "output_gradient", g, sg, backward)
         cw_n, sw_n = _operand(w, forward, 1, margin)  # (K, 1)
-        dx = _gemm("mn,kn->mk", cg, cw_n, dtypes.dx)
+        dx = fp8_backend.einsum_float32("mn,kn->mk", cg, cw_n, dtypes.dx)
         dx = dx * sg * ops.transpose(sw_n)
         cx_m, sx_m = _operand(x, forward, 0, margin)  # (1, K)
         cg_m, sg_m = _operand(g, backward, 0, margin)  # (1, N)
-        dw = _gemm("mk,mn->kn", cx_m, cg_m, dtypes.dw)
+        dw = fp8_backend.einsum_float32("mk,mn->kn", cx_m, cg_m, dtypes.dw)
         dw = dw * ops.transpose(sx_m) * sg_m
         return dx, dw
 
