@@ -88,52 +88,50 @@ def test_the_low_rank_path_is_added_outside_fp8(kind):
     np.testing.assert_allclose(out - base, update, rtol=0, atol=2e-5)
 
 
-def _lora_model():
-    x = keras.Input((16, 64))
-    h = keras.layers.Dense(64, activation="relu", name="up")(x)
-    h = keras.layers.EinsumDense("abc,cd->abd", (None, 64), name="proj")(h)
-    h = keras.layers.GlobalAveragePooling1D()(h)
-    return keras.Model(x, keras.layers.Dense(4, name="logits")(h))
+def _lora_model(lora=True):
+    """A Dense and an EinsumDense in FP8 by the default rules under
+    mixed_bfloat16, each with LoRA of rank 4 (unless `lora=False`)."""
+    keras_mp.set_global_policy("mixed_bfloat16", fp8=True)
+    try:
+        x = keras.Input((16, 64))
+        h = keras.layers.Dense(64, activation="relu", name="up")(x)
+        h = keras.layers.EinsumDense("abc,cd->abd", (None, 64), name="proj")(h)
+        h = keras.layers.GlobalAveragePooling1D()(h)
+        model = keras.Model(x, keras.layers.Dense(4, name="logits")(h))
+        if lora:
+            model.get_layer("up").enable_lora(4)
+            model.get_layer("proj").enable_lora(4)
+    finally:
+        keras_mp.set_global_policy("float32")
+    return model
 
 
 def test_fit_trains_the_low_rank_weights_and_leaves_the_fp8_base_alone():
-    keras_mp.set_global_policy("mixed_bfloat16", fp8=True)
-    try:
-        model = _lora_model()
-        model.get_layer("up").enable_lora(4)
-        model.get_layer("proj").enable_lora(4)
-        rows = keras_mp.explain_precision(model, print_fn=None)
-        table = {row["layer"]: row["fp8"] for row in rows}
-        assert table["up"] == table["proj"] == "current/tensorwise/hybrid"
-        rng = np.random.default_rng(4)
-        x = rng.normal(size=(32, 16, 64)).astype(np.float32)
-        y = rng.normal(size=(32, 4)).astype(np.float32)
-        model.compile(keras.optimizers.Adam(1e-2), loss="mse")
-        before = {v.path: to_numpy(_stored(v)) for v in model.weights}
-        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-        for layer in ("up", "proj"):
-            path = f"{layer}/kernel"
-            kernel = model.get_layer(layer)._kernel
-            np.testing.assert_array_equal(
-                to_numpy(_stored(kernel)), before[kernel.path], err_msg=path
-            )
-            lora_b = model.get_layer(layer).lora_kernel_b
-            # B starts at zero (Keras's initializer) and must have moved.
-            assert np.abs(to_numpy(lora_b)).max() > 0, layer
-            assert np.isfinite(to_numpy(lora_b)).all()
-    finally:
-        keras_mp.set_global_policy("float32")
+    model = _lora_model()
+    rows = keras_mp.explain_precision(model, print_fn=None)
+    table = {row["layer"]: row["fp8"] for row in rows}
+    assert table["up"] == table["proj"] == "current/tensorwise/hybrid"
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(32, 16, 64)).astype(np.float32)
+    y = rng.normal(size=(32, 4)).astype(np.float32)
+    model.compile(keras.optimizers.Adam(1e-2), loss="mse")
+    before = {v.path: to_numpy(_stored(v)) for v in model.weights}
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    for layer in ("up", "proj"):
+        path = f"{layer}/kernel"
+        kernel = model.get_layer(layer)._kernel
+        np.testing.assert_array_equal(
+            to_numpy(_stored(kernel)), before[kernel.path], err_msg=path
+        )
+        lora_b = model.get_layer(layer).lora_kernel_b
+        # B starts at zero (Keras's initializer) and must have moved.
+        assert np.abs(to_numpy(lora_b)).max() > 0, layer
+        assert np.isfinite(to_numpy(lora_b)).all()
 
 
 def _fine_tuned():
     """The LoRA model after a few steps of `fit`, and its inputs."""
-    keras_mp.set_global_policy("mixed_bfloat16", fp8=True)
-    try:
-        model = _lora_model()
-        model.get_layer("up").enable_lora(4)
-        model.get_layer("proj").enable_lora(4)
-    finally:
-        keras_mp.set_global_policy("float32")
+    model = _lora_model()
     rng = np.random.default_rng(5)
     x = rng.normal(size=(16, 16, 64)).astype(np.float32)
     y = rng.normal(size=(16, 4)).astype(np.float32)
@@ -160,13 +158,7 @@ def test_weights_reload_into_a_fresh_lora_model_exactly(tmp_path):
     model, x = _fine_tuned()
     path = str(tmp_path / "lora.weights.h5")
     model.save_weights(path)
-    keras_mp.set_global_policy("mixed_bfloat16", fp8=True)
-    try:
-        fresh = _lora_model()
-        fresh.get_layer("up").enable_lora(4)
-        fresh.get_layer("proj").enable_lora(4)
-    finally:
-        keras_mp.set_global_policy("float32")
+    fresh = _lora_model()
     fresh.load_weights(path)
     expected = _lora_state(model)
     for key, value in _lora_state(fresh).items():
@@ -177,11 +169,7 @@ def test_weights_reload_into_a_fresh_lora_model_exactly(tmp_path):
     )
     # A model without LoRA loads Keras's merged kernel, as it would from
     # Keras alone.
-    keras_mp.set_global_policy("mixed_bfloat16", fp8=True)
-    try:
-        plain = _lora_model()
-    finally:
-        keras_mp.set_global_policy("float32")
+    plain = _lora_model(lora=False)
     plain.load_weights(path)
     layer = model.get_layer("up")
     merged = to_numpy(layer.kernel).astype(np.float32)  # Keras's merge
