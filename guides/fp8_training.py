@@ -191,12 +191,20 @@ def train(recipe, train_data, eval_data, steps):
 # the same without them); they cost a few reductions per GEMM. During `fit`,
 # `keras_mp.callbacks.FP8Report(saturated=0.001, flushed=0.01)` prints the
 # same table at the end of an epoch where a fraction passes its threshold.
+#
+# "delayed" is Transformer Engine's delayed scaling: each scale comes from
+# the max of the last `amax_history=1024` steps' amaxes, kept in three
+# non-trainable variables per layer (`fp8_amax_history`, `fp8_steps`,
+# `fp8_scale`), so a step needs no amax of its own before its GEMM. The
+# first step runs current scaling; a step's amaxes reach the history by
+# the layer's next call; a step the loss scale skips writes nothing.
 
 RECIPES = {
     "tensorwise": keras_mp.fp8.Recipe(granularity="tensorwise", stats=True),
     "rowwise": keras_mp.fp8.Recipe(granularity="rowwise"),
     "block": keras_mp.fp8.Recipe(granularity="block"),
     "e4m3 tensorwise": keras_mp.fp8.Recipe(formats="e4m3"),
+    "delayed": keras_mp.fp8.Recipe(scaling="delayed"),
 }
 
 

@@ -24,15 +24,25 @@ update).
 A layer whose recipe has `stats=True` also owns a statistics carrier (see
 `keras_mp/fp8/stats.py`), the `fp8_stats` variable, passed to its GEMM; it
 is saved after the layer's other variables.
+
+A layer whose recipe has `scaling="delayed"` owns a carrier of the shape
+`keras_mp/fp8/delayed.py` says, and three non-trainable float32/int32
+variables: `fp8_amax_history` `(3, H)`, `fp8_steps` (the steps folded into
+it) and `fp8_scale` `(3,)` (the delayed scales of the last call; 0 while
+the layer has no history and runs current scaling). Each call first folds
+a fresh carrier into the history (`delayed.fold`), then quantizes with the
+history's scales. They are saved by name beside Keras's entries.
 """
 
 import functools
 
 import keras
+import numpy as np
 
 from keras_mp import _keras_internals
 from keras_mp import fp8
 from keras_mp import policy as policy_module
+from keras_mp.fp8 import delayed as delayed_module
 from keras_mp.fp8 import rules as rules_module
 from keras_mp.fp8 import stats as stats_module
 from keras_mp.policy import Policy
@@ -141,23 +151,31 @@ def check_model(model):
 
 
 def sync_stats_carrier(layer):
-    """Gives a built FP8 layer whose recipe has `stats=True` its carrier
-    (see `keras_mp/fp8/stats.py`), and takes it from any other layer.
+    """Gives a built FP8 layer the state its recipe asks for, and takes
+    from it any it no longer needs: the statistics carrier (see
+    `keras_mp/fp8/stats.py`) with `stats=True` or `scaling="delayed"`, and
+    the delayed-scaling state (`fp8_amax_history`, `fp8_steps`,
+    `fp8_scale`) with `scaling="delayed"`.
 
     Called when the layer builds and when its model is built, where
     `decide` may take a recipe back (from the model's output layers): a
-    layer without an FP8 recipe never keeps a carrier.
+    layer without an FP8 recipe never keeps FP8 state.
     """
     recipe = layer_recipe(layer)
-    wanted = recipe is not None and recipe.stats and has_gemm(layer)
+    usable = recipe is not None and has_gemm(layer)
+    delayed = usable and recipe.scaling == "delayed"
+    shape = delayed_module.CARRIER_SHAPE if delayed else stats_module.SHAPE
     carrier = stats_module.layer_carrier(layer)
-    if wanted and carrier is None:
+    if carrier is not None and tuple(carrier.shape) != shape:
+        _keras_internals.untrack_variable(layer, carrier)
+        carrier = None
+    if usable and (recipe.stats or delayed) and carrier is None:
         # A layer may be given its recipe after it was built (a path rule
         # applied when its model is built).
         carrier = _keras_internals.add_weight_to_built_layer(
             layer,
             name="fp8_stats",
-            shape=stats_module.SHAPE,
+            shape=shape,
             initializer="zeros",
             dtype="float32",
             trainable=True,
@@ -165,8 +183,48 @@ def sync_stats_carrier(layer):
             overwrite_with_gradient=True,
         )
         carrier._keras_mp_fp8_stats = True
-    elif carrier is not None and not wanted:
+    elif carrier is not None and not (usable and (recipe.stats or delayed)):
         _keras_internals.untrack_variable(layer, carrier)
+    history = recipe.amax_history if delayed else None
+    for name, variable in delayed_state(layer).items():
+        wrong = name == "fp8_amax_history" and variable.shape[1] != history
+        if not delayed or wrong:
+            _keras_internals.untrack_variable(layer, variable)
+    if delayed and not delayed_state(layer):
+        _add_delayed_state(layer, history)
+
+
+_STATE_SHAPES = {
+    "fp8_amax_history": lambda h: (len(stats_module.TENSORS), h),
+    "fp8_steps": lambda h: (),
+    "fp8_scale": lambda h: (len(stats_module.TENSORS),),
+}
+
+
+def _add_delayed_state(layer, history):
+    for name, shape in _STATE_SHAPES.items():
+        variable = _keras_internals.add_weight_to_built_layer(
+            layer,
+            name=name,
+            shape=shape(history),
+            initializer="zeros",
+            dtype="int32" if name == "fp8_steps" else "float32",
+            trainable=False,
+            autocast=False,
+            # Every replica folds the same carrier into the same state.
+            aggregation="only_first_replica",
+        )
+        variable._keras_mp_fp8_state = name
+
+
+def delayed_state(layer):
+    """`{name: variable}` of `layer`'s delayed-scaling state, or `{}`."""
+    own = _keras_internals.own_variables(layer)
+    return {
+        v._keras_mp_fp8_state: v
+        for v in own
+        if getattr(v, "_keras_mp_fp8_state", None) is not None
+    }
 
 
 def _call_recipe(layer):
@@ -175,13 +233,6 @@ def _call_recipe(layer):
     if recipe is None:
         return None
     rules_module.check_layer(layer, recipe)
-    if recipe.scaling != "current":
-        raise ValueError(
-            f"Layer {layer.name!r} has an FP8 recipe with "
-            f"scaling={recipe.scaling!r}: layers run only current scaling "
-            f"so far. Received: fp8={recipe!r}. Use "
-            "`keras_mp.fp8.Recipe(scaling='current', ...)`."
-        )
     return recipe
 
 
@@ -196,10 +247,39 @@ def _stored(variable):
 
 
 def _stats_input(layer, recipe):
-    if not recipe.stats:
+    if not (recipe.stats or recipe.scaling == "delayed"):
         return None
     carrier = stats_module.layer_carrier(layer)
     return None if carrier is None else _stored(carrier)
+
+
+def _delayed_scaling(layer, recipe, carrier):
+    """Folds a fresh carrier into the layer's delayed state and returns
+    the `delayed.Scaling` of this call; None for current scaling."""
+    if recipe.scaling != "delayed":
+        return None
+    state = delayed_state(layer)
+    if carrier is None or not state:
+        raise ValueError(
+            f"Layer {layer.name!r} runs delayed FP8 scaling but has no "
+            "FP8 state: it was given its recipe after it was built, "
+            "outside a model keras_mp saw. Received: fp8="
+            f"{recipe!r}. Set the policy before building the layer."
+        )
+    history, steps = delayed_module.fold(
+        _stored(state["fp8_amax_history"]),
+        _stored(state["fp8_steps"]),
+        carrier,
+    )
+    scaling = delayed_module.scaling(history, steps, carrier, recipe)
+    state["fp8_amax_history"].assign(history)
+    state["fp8_steps"].assign(steps)
+    state["fp8_scale"].assign(
+        keras.ops.where(
+            scaling.first, keras.ops.zeros_like(scaling.scales), scaling.scales
+        )
+    )
+    return scaling
 
 
 def _has_lora(layer):
@@ -264,12 +344,14 @@ def _install_call_hooks():
         recipe = _call_recipe(self)
         if recipe is None:
             return dense_call(self, inputs, training=training)
+        stats = _stats_input(self, recipe)
         x = fp8.dot(
             inputs,
             _kernel(self),
             recipe=recipe,
             output_dtype=self.compute_dtype,
-            stats=_stats_input(self, recipe),
+            stats=stats,
+            delayed=_delayed_scaling(self, recipe, stats),
         )
         return _bias_and_activation(self, _lora(self, inputs, x))
 
@@ -278,13 +360,15 @@ def _install_call_hooks():
         recipe = _call_recipe(self)
         if recipe is None:
             return einsum_call(self, inputs, training=training)
+        stats = _stats_input(self, recipe)
         x = fp8.einsum(
             self.equation,
             inputs,
             _kernel(self),
             recipe=recipe,
             output_dtype=self.compute_dtype,
-            stats=_stats_input(self, recipe),
+            stats=stats,
+            delayed=_delayed_scaling(self, recipe, stats),
         )
         x = _lora(self, inputs, x, self.equation)
         return _bias_and_activation(self, x)
@@ -344,6 +428,8 @@ def _save_hook(original):
         carrier = stats_module.layer_carrier(self)
         if carrier is not None:
             store[str(len(store.keys()))] = carrier
+        for name, variable in delayed_state(self).items():
+            store[name] = variable
         if _saves_lora(self):
             # Keras saves `W + A @ B` as the kernel (what a layer without
             # LoRA loads). An FP8 layer with LoRA reloads W, A and B as
@@ -378,13 +464,13 @@ def _load_hook(original):
     def load_own_variables(self, store):
         names = set(store.keys())
         entries = [name for name in _LORA_ENTRIES if name in names]
+        named = set(_LORA_ENTRIES) | set(_STATE_SHAPES)
         full = store
-        if entries:
+        if names & named:
             # Keras's loader counts the entries: it sees the others only.
-            store = _StoreView(
-                store, sorted(names - set(_LORA_ENTRIES), key=int)
-            )
+            store = _StoreView(store, sorted(names - named, key=int))
         _load_carrier(self, store, original)
+        _load_delayed_state(self, full, names)
         if entries and _saves_lora(self):
             # Read only here: a layer without LoRA keeps the merged kernel.
             lora = [full[name] for name in entries]
@@ -405,21 +491,56 @@ def _load_carrier(layer, store, original):
     own = len(_keras_internals.own_variables(layer))
     if _has_lora(layer):
         own -= 2  # Keras saves the merged kernel, not A and B
+    own -= len(delayed_state(layer))  # saved by name
     last = keys[-1] if keys else None
-    saved = (
-        last is not None
-        and tuple(getattr(store[last], "shape", ())) == stats_module.SHAPE
-    )
+    saved = last is not None and tuple(
+        getattr(store[last], "shape", ())
+    ) in (stats_module.SHAPE, delayed_module.CARRIER_SHAPE)
+    # Keras's check counts the layer's variables, the state saved by name
+    # among them (never read: Dense reads its own entries by index).
+    state = list(delayed_state(layer))
+
+    def load(view):
+        original(layer, _StoreView(store, [*view, *state]))
+
     if carrier is not None and saved and len(keys) == own:
-        original(layer, store)
-        carrier.assign(store[last])
+        load(keys)
+        carrier.assign(_carrier_value(store[last], tuple(carrier.shape)))
     elif carrier is not None and len(keys) == own - 1:
-        # Never read: Dense reads its own entries by index.
-        original(layer, _StoreView(store, [*keys, "fp8_stats"]))
+        load([*keys, "fp8_stats"])
     elif carrier is None and saved and len(keys) == own + 1:
-        original(layer, _StoreView(store, keys[:-1]))
+        load(keys[:-1])
     else:
-        original(layer, store)
+        load(keys)
+
+
+def _carrier_value(value, shape):
+    """A saved carrier as the layer's: the statistics columns, and the
+    delayed columns where both have them (zeros, a carrier not to fold,
+    where the file has none)."""
+    value = keras.ops.convert_to_numpy(value)
+    width = min(value.shape[1], shape[1])
+    result = np.zeros(shape, "float32")
+    result[:, :width] = value[:, :width]
+    return result
+
+
+def _load_delayed_state(layer, store, names):
+    """Restores the delayed state saved by name; a history of another
+    length keeps its newest entries, or is padded with zeros (older
+    steps that never were)."""
+    state = delayed_state(layer)
+    if not state or not set(_STATE_SHAPES) <= names:
+        return
+    values = {name: keras.ops.convert_to_numpy(store[name]) for name in state}
+    history = values["fp8_amax_history"]
+    length = state["fp8_amax_history"].shape[1]
+    padded = np.zeros((history.shape[0], length), "float32")
+    kept = min(length, history.shape[1])
+    padded[:, :kept] = history[:, :kept]
+    values["fp8_amax_history"] = padded
+    for name, variable in state.items():
+        variable.assign(values[name])
 
 
 _install_call_hooks()

@@ -321,7 +321,7 @@ def test_torch_scaled_mm_and_the_cpu_upcast_give_the_same_bits(monkeypatch):
     "kwargs, error, match",
     [
         ({"recipe": fp8.Recipe(granularity="block")}, ValueError, "multiples"),
-        ({"recipe": fp8.Recipe(scaling="delayed")}, ValueError, "current"),
+        ({"recipe": fp8.Recipe(scaling="delayed")}, ValueError, "state"),
         ({"recipe": "hybrid"}, TypeError, "Recipe"),
         ({"output_dtype": "int8"}, ValueError, "output_dtype"),
     ],

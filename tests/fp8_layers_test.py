@@ -266,10 +266,3 @@ def test_keras_float8_quantization_keeps_its_own_path():
     assert keras_mp.policy.layer_policy(layer).quantization_mode == "float8"
     out = to_numpy(layer(_rng().normal(size=(2, 64)).astype("float32")))
     assert out.shape == (2, 32) and np.isfinite(out).all()
-
-
-def test_a_delayed_recipe_in_a_layer_raises_with_the_fix():
-    recipe = fp8.Recipe(scaling="delayed")
-    layer = keras.layers.Dense(32, dtype=keras_mp.Policy("float32", fp8=recipe))
-    with pytest.raises(ValueError, match="scaling='current'"):
-        layer(keras.ops.ones((2, 64)))

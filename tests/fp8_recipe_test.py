@@ -7,7 +7,7 @@ from keras_mp import fp8
 from keras_mp.fp8 import recipe as recipe_module
 
 NON_DEFAULT = {
-    "scaling": "delayed",
+    "scaling": "current",
     "granularity": "block",
     "formats": "e4m3",
     "margin": 2,
@@ -85,3 +85,16 @@ def test_get_resolves_true_none_configs_and_recipes():
     assert recipe_module.get(recipe.get_config()) == recipe
     with pytest.raises(TypeError, match="Received: fp8="):
         recipe_module.get("rowwise")
+
+
+@pytest.mark.parametrize("granularity", ["rowwise", "block"])
+def test_delayed_scaling_of_rows_or_blocks_raises_with_the_fix(granularity):
+    with pytest.raises(ValueError, match="granularity='tensorwise'"):
+        fp8.Recipe(scaling="delayed", granularity=granularity)
+
+
+def test_a_delayed_recipe_round_trips():
+    recipe = fp8.Recipe(
+        scaling="delayed", amax_history=16, amax_algo="most_recent", margin=1
+    )
+    assert fp8.Recipe.from_config(recipe.get_config()) == recipe

@@ -20,16 +20,27 @@ import keras
 from keras import ops
 
 from keras_mp.backend import fp8 as fp8_backend
+from keras_mp.fp8 import delayed as delayed_module
 from keras_mp.fp8 import recipe as recipe_module
 from keras_mp.fp8 import stats as stats_module
 from keras_mp.fp8.quantize import check_float
 from keras_mp.fp8.quantize import quantize_reduced
+from keras_mp.fp8.quantize import scale_from_amax
 from keras_mp.fp8.recipe import BLOCK_SIZE
 
 
-def _operand(x, fmt, axes, margin):
+def _operand(x, fmt, axes, margin, scale=None):
     """`x` quantized as a GEMM operand, and its scales."""
-    return quantize_reduced(x, fmt, axes, margin, operand=True)
+    return quantize_reduced(x, fmt, axes, margin, scale=scale, operand=True)
+
+
+def _delayed_scale(scaling, index, t, fmt, margin):
+    """The scale of tensor `index` of a delayed call (`delayed.pick`), or
+    None for current scaling."""
+    if scaling is None:
+        return None
+    current = scale_from_amax(fp8_backend.amax(t, None), fmt, margin)
+    return delayed_module.pick(scaling, index, current)
 
 
 class _Dtypes(collections.namedtuple("_Dtypes", "out dx dw")):
@@ -44,17 +55,21 @@ def _observe(rows, name, x, scale, fmt):
         rows[name] = stats_module.tensor_row(x, scale, fmt)
 
 
-def _tensorwise(x, w, recipe, rows, dtypes):
-    """One scale per tensor; the forward codes serve the backward GEMMs."""
+def _tensorwise(x, w, recipe, rows, dtypes, scaling=None):
+    """One scale per tensor; the forward codes serve the backward GEMMs.
+    With a delayed `scaling`, the scales are its own."""
     forward, backward, margin = _formats(recipe)
-    cx, sx = _operand(x, forward, None, margin)
-    cw, sw = _operand(w, forward, None, margin)
+    sx = _delayed_scale(scaling, 0, x, forward, margin)
+    sw = _delayed_scale(scaling, 1, w, forward, margin)
+    cx, sx = _operand(x, forward, None, margin, sx)
+    cw, sw = _operand(w, forward, None, margin, sw)
     _observe(rows, "input", x, sx, forward)
     _observe(rows, "kernel", w, sw, forward)
     out = fp8_backend.einsum_float32("mk,kn->mn", cx, cw, dtypes.out) * sx * sw
 
     def gradients(g):
-        cg, sg = _operand(g, backward, None, margin)
+        sg = _delayed_scale(scaling, 2, g, backward, margin)
+        cg, sg = _operand(g, backward, None, margin, sg)
         _observe(rows, "output_gradient", g, sg, backward)
         dx = (
             fp8_backend.einsum_float32("mn,kn->mk", cg, cw, dtypes.dx) * sg * sw
@@ -170,8 +185,8 @@ def _formats(recipe):
     return recipe.forward_format, recipe.backward_format, recipe.margin
 
 
-def _check_operands(x, kernel, recipe, output_dtype):
-    if recipe.scaling != "current":
+def _check_operands(x, kernel, recipe, output_dtype, delayed=None):
+    if recipe.scaling != "current" and delayed is None:
         raise ValueError(
             "`fp8.dot` takes its scales from the operands of this step "
             '(scaling="current"); delayed scales live in an FP8 layer\'s '
@@ -214,7 +229,7 @@ def _check_operands(x, kernel, recipe, output_dtype):
     return x_dtype, kernel_dtype, output_dtype
 
 
-def dot(x, kernel, recipe=None, output_dtype=None, stats=None):
+def dot(x, kernel, recipe=None, output_dtype=None, stats=None, delayed=None):
     """`x @ kernel` with FP8 operands in the forward and backward GEMMs.
 
     The forward product quantizes `x` and `kernel` to E4M3; the gradient
@@ -246,6 +261,10 @@ def dot(x, kernel, recipe=None, output_dtype=None, stats=None):
             input, the kernel and the output gradient (see
             `keras_mp/fp8/stats.py`). Defaults to `None`: no statistics and
             no work for them.
+        delayed: For `scaling="delayed"` only, what an FP8 layer's state
+            gives this call (`keras_mp.fp8.delayed.Scaling`); `stats` is
+            then the layer's carrier, of shape `(3, 518)`, whose gradient
+            also takes the parity of its fold count. Defaults to `None`.
 
     Returns:
         A tensor `[..., N]`.
@@ -269,18 +288,23 @@ def dot(x, kernel, recipe=None, output_dtype=None, stats=None):
     x = fp8_backend.read_tensor(x)
     kernel = fp8_backend.read_tensor(kernel)
     x_dtype, kernel_dtype, output_dtype = _check_operands(
-        x, kernel, recipe, output_dtype
+        x, kernel, recipe, output_dtype, delayed
     )
     k, n = kernel.shape
     run = _GRANULARITIES[recipe.granularity]
 
     dtypes = _Dtypes(output_dtype, x_dtype, kernel_dtype)
 
-    def forward(x, kernel, rows):
+    def forward(x, kernel, rows, scaling=None):
         x_shape = ops.shape(x)
         x2 = ops.reshape(ops.cast(x, "float32"), (-1, k))
         kernel = ops.cast(kernel, "float32")
-        out, gradients = run(x2, kernel, recipe, rows, dtypes)
+        if scaling is None:
+            out, gradients = run(x2, kernel, recipe, rows, dtypes)
+        else:
+            out, gradients = _tensorwise(
+                x2, kernel, recipe, rows, dtypes, scaling
+            )
         out = ops.reshape(out, (*x_shape[:-1], n))
 
         def backward(args, upstream):
@@ -308,6 +332,9 @@ def dot(x, kernel, recipe=None, output_dtype=None, stats=None):
 
         return fp8_dot(x, kernel)
 
+    if delayed is not None:
+        return _delayed_dot(x, kernel, stats, delayed, forward)
+
     stats = _check_stats(fp8_backend.read_tensor(stats))
 
     @ops.custom_gradient
@@ -326,14 +353,42 @@ def dot(x, kernel, recipe=None, output_dtype=None, stats=None):
     return fp8_dot_with_stats(x, kernel, stats)
 
 
-def _check_stats(stats):
+def _delayed_dot(x, kernel, carrier, scaling, forward):
+    carrier = _check_stats(
+        fp8_backend.read_tensor(carrier), delayed_module.CARRIER_SHAPE
+    )
+    packed = delayed_module.pack(scaling)
+
+    @ops.custom_gradient
+    def fp8_dot_delayed(x, kernel, carrier, packed):
+        rows = {}
+        scaling = delayed_module.unpack(packed)
+        out, backward = forward(x, kernel, rows, scaling)
+
+        def grad(*args, upstream=None):
+            dx, dw = backward(args[:1], upstream)
+            statistics = ops.stack([rows[t] for t in stats_module.TENSORS])
+            return (
+                dx,
+                dw,
+                delayed_module.carrier_gradient(statistics, scaling),
+                ops.zeros_like(packed),
+            )
+
+        return out, grad
+
+    return fp8_dot_delayed(x, kernel, carrier, packed)
+
+
+def _check_stats(stats, shape=stats_module.SHAPE):
     if (
-        tuple(stats.shape) != stats_module.SHAPE
+        tuple(stats.shape) != shape
         or keras.backend.standardize_dtype(stats.dtype) != "float32"
     ):
         raise ValueError(
-            f"`stats` is a float32 carrier of shape {stats_module.SHAPE}, "
-            "as an FP8 layer with `keras_mp.fp8.Recipe(stats=True)` owns. "
+            f"`stats` is a float32 carrier of shape {shape}, as an FP8 "
+            "layer with `keras_mp.fp8.Recipe(stats=True)` (or "
+            "`scaling='delayed'`) owns. "
             f"Received: stats of shape {tuple(stats.shape)} and dtype "
             f"{stats.dtype}. Pass the layer's `fp8_stats` variable, or None."
         )

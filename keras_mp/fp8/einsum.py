@@ -75,7 +75,15 @@ def _plan(equation, x_ndim, kernel_ndim):
     return x_spec, kernel_spec, output, contracted, x_free, kernel_free
 
 
-def einsum(equation, x, kernel, recipe=None, output_dtype=None, stats=None):
+def einsum(
+    equation,
+    x,
+    kernel,
+    recipe=None,
+    output_dtype=None,
+    stats=None,
+    delayed=None,
+):
     """`keras.ops.einsum(equation, x, kernel)` on FP8 operands.
 
     Reduces the equation to one `keras_mp.fp8.dot`: the contracted axes
@@ -96,6 +104,8 @@ def einsum(equation, x, kernel, recipe=None, output_dtype=None, stats=None):
         stats: A statistics carrier, as `fp8.dot` takes it: its gradient
             is the statistics of the one `dot` the equation becomes.
             Defaults to `None`.
+        delayed: What an FP8 layer with `scaling="delayed"` gives this
+            call, as `fp8.dot` takes it. Defaults to `None`.
 
     Returns:
         The tensor `keras.ops.einsum(equation, x, kernel)` approximates.
@@ -123,7 +133,14 @@ def einsum(equation, x, kernel, recipe=None, output_dtype=None, stats=None):
     x = ops.transpose(x, [x_spec.index(c) for c in x_free + contracted])
     x_free_shape = tuple(ops.shape(x)[: len(x_free)])
     x = ops.reshape(x, (*x_free_shape, k))
-    y = dot(x, kernel, recipe=recipe, output_dtype=output_dtype, stats=stats)
+    y = dot(
+        x,
+        kernel,
+        recipe=recipe,
+        output_dtype=output_dtype,
+        stats=stats,
+        delayed=delayed,
+    )
     y = ops.reshape(y, (*x_free_shape, *free_sizes))
     order = x_free + kernel_free
     return ops.transpose(y, [order.index(c) for c in output])

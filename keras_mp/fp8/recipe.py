@@ -95,7 +95,9 @@ class Recipe:
         scaling: `"current"` takes each scale from this step's amax (the
             largest absolute value) and keeps no state; `"delayed"` takes
             it from a history of earlier steps' amaxes, kept in
-            non-trainable variables of the layer. Defaults to `"current"`.
+            non-trainable variables of the layer (Transformer Engine's
+            recipe; tensorwise only; the first step runs current scaling;
+            see `keras_mp/fp8/delayed.py`). Defaults to `"current"`.
         granularity: How many values share a scale. `"tensorwise"`: one
             per tensor. `"rowwise"`: one per row of the contracted
             dimension (per token for activations and gradients, per output
@@ -159,6 +161,15 @@ class Recipe:
                 "`stats=True` or `stats=False`."
             )
         self._stats = stats
+        if scaling == "delayed" and granularity != "tensorwise":
+            raise ValueError(
+                "Delayed scaling keeps one amax history per tensor, as "
+                "Transformer Engine's does, so it scales whole tensors. "
+                f"Received: scaling={scaling!r}, granularity="
+                f"{granularity!r}. Use granularity='tensorwise' with "
+                "scaling='delayed', or scaling='current' for rowwise and "
+                "block scales."
+            )
 
     scaling = property(lambda self: self._scaling)
     granularity = property(lambda self: self._granularity)

@@ -22,6 +22,7 @@ from keras_mp import _config
 from keras_mp import loss_scale as loss_scale_module
 from keras_mp.backend import collectives
 from keras_mp.backend import gradients as backend_gradients
+from keras_mp.fp8 import delayed as fp8_delayed
 from keras_mp.fp8 import stats as fp8_stats
 from keras_mp.optimizers import legacy_arguments
 from keras_mp.optimizers import overflow
@@ -409,6 +410,23 @@ class LossScaleOptimizer(
         return super().transform_gradients(grads_and_vars)
 
     def run_step(self, grads_and_vars):
+        self._run_loss_scaled_step(grads_and_vars)
+        self._write_loss_scale_into_carriers(grads_and_vars)
+
+    def _write_loss_scale_into_carriers(self, grads_and_vars):
+        # The backward of a delayed FP8 layer multiplies its history's
+        # output-gradient scale by the loss scale of its step, which it
+        # reads from its carrier (on JAX the backward is traced with the
+        # forward, before `scale_loss`): the scale after this step's
+        # update, written whether the step was applied or skipped.
+        carriers = [v for _, v in grads_and_vars if fp8_delayed.is_carrier(v)]
+        if not carriers:
+            return
+        loss_scale = self._loss_scale()
+        for carrier in carriers:
+            carrier.assign(fp8_delayed.with_loss_scale(carrier, loss_scale))
+
+    def _run_loss_scaled_step(self, grads_and_vars):
         if self._unscale_in_step or self._stats_divided:
             # FP8 statistics carriers hold the output gradient's amax free
             # of the loss scale (Keras's own LossScaleOptimizer leaves it

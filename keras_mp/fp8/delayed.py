@@ -1,0 +1,202 @@
+"""Delayed scaling: each scale from a history of earlier steps' amaxes.
+
+Transformer Engine's `DelayedScaling`: per layer and tensor (the input, the
+kernel, the output gradient) a window of the last `amax_history` amaxes;
+each step quantizes with the scale of the window's max (or its most recent
+entry), `scale_from_amax(amax, fmt, margin)`, a power of two here (TE's is
+`fmax / amax / 2**margin`), and this step's amax joins the window for the
+next. The first step has no history: it takes its scales from its own
+tensors (current scaling), never 1.0.
+
+How the amaxes reach the history on every backend, inside the step:
+
+- Through the layer's statistics carrier (`stats.py`), of shape
+  `CARRIER_SHAPE` here: its gradient holds each tensor's amax as a one-hot
+  histogram bin, so the bins present after autodiff sums several calls of
+  the layer, after keras_mp's optimizers take the max across replicas and
+  after Keras's optimizer takes the max over an accumulation window, are
+  those of every call, the highest being the step's amax (the max, never
+  the sum). The optimizer assigns the carrier only on a step it applies:
+  a skipped step leaves it as it was. `keras_mp.LossScaleOptimizer` makes
+  the output gradient's bin free of the loss scale.
+- The next forward folds the carrier into the history (`fold`), once:
+  the carrier's gradient also marks the parity of the layer's count of
+  folds when it was made (`PARITY`), so a carrier a skipped step left
+  behind, or one already folded, is told from a fresh one. The history
+  holds each bin's `bin_value`, which has the bin's power-of-two scale:
+  the scale of every amax the bin holds, exactly (an amax below `2**-126`
+  counts as 0).
+- A non-finite amax is never written: that tensor's window stays as it
+  was (a loss-scale skip would have left the carrier alone anyway).
+- The output gradient arrives multiplied by the loss scale. Its scale is
+  the history's times that loss scale, which `keras_mp.LossScaleOptimizer`
+  writes into the carrier after each step (`LOSS_SCALE`): on JAX the
+  backward is traced with the forward, so the layer reads it there, as a
+  value of the step.
+
+Imports only its `keras_mp.fp8` siblings.
+"""
+
+import collections
+
+from keras import ops
+
+from keras_mp.fp8 import stats as stats_module
+from keras_mp.fp8.quantize import scale_from_amax
+
+# The carrier of a delayed layer: the statistics columns, two parity
+# columns and the loss scale of the next step.
+PARITY = stats_module.STATS_WIDTH  # 515 and 516
+LOSS_SCALE = PARITY + 2  # 517
+CARRIER_WIDTH = LOSS_SCALE + 1
+CARRIER_SHAPE = (len(stats_module.TENSORS), CARRIER_WIDTH)
+
+Scaling = collections.namedtuple("Scaling", "scales first parity loss_scale")
+Scaling.__doc__ = """What one call of a delayed layer quantizes with.
+
+`scales`: float32 `(3,)`, the delayed scales of the input, the kernel and
+the (loss-scale-free) output gradient; `first`: a bool scalar, true while
+the layer has no history (every scale is then current); `parity`: the
+float32 `(2,)` one-hot the carrier's gradient carries (`PARITY`);
+`loss_scale`: the float32 scalar the output gradient arrives multiplied by.
+"""
+
+
+def bin_value(index):
+    """The float32 amax that stands for histogram bin `index` (int32): a
+    value with the bin's float32 exponent and its `above 1.75` bit, so
+    `scale_from_amax` gives it the scale of every amax in the bin, for
+    every format and margin (each threshold is `1.75 * 2**k`)."""
+    exponent = ops.right_shift(index, 1)
+    above = ops.bitwise_and(index, 1)
+    bits = ops.left_shift(exponent, 23) + above * 0x700000  # 1.875
+    value = ops.view(ops.cast(bits, "int32"), "float32")
+    return ops.where(exponent == 0, ops.zeros_like(value), value)
+
+
+def carrier_amax_bins(carrier):
+    """The highest bin present in each row of `carrier`, or -1 (int32)."""
+    bins = carrier[:, : stats_module.HISTOGRAM_BINS]
+    index = ops.arange(stats_module.HISTOGRAM_BINS, dtype="int32")
+    present = ops.where(bins > 0, ops.expand_dims(index, 0), -1)
+    return ops.max(present, axis=1)
+
+
+def fold(history, folds, carrier):
+    """The history with a fresh carrier's amaxes joined, and the new count.
+
+    Args:
+        history: float32 `(3, H)`, newest amax first.
+        folds: int32 scalar, the carriers folded so far.
+        carrier: float32 `CARRIER_SHAPE`, the layer's carrier (read).
+
+    Returns:
+        `(history, folds)`: unchanged unless the carrier is fresh (made
+        while `folds` carriers had been folded); then each row whose amax
+        is finite is shifted by one and starts with it, and `folds` is one
+        more.
+    """
+    parity = ops.mod(folds, 2)
+    marks = carrier[0, PARITY : PARITY + 2]
+    fresh = ops.take(marks, parity) > 0
+    top = carrier_amax_bins(carrier)
+    finite = ops.logical_and(top >= 0, top < stats_module.FINITE_BINS)
+    amax = bin_value(ops.maximum(top, 0))
+    shifted = ops.concatenate(
+        [ops.expand_dims(amax, 1), history[:, :-1]], axis=1
+    )
+    write = ops.expand_dims(ops.logical_and(fresh, finite), 1)
+    history = ops.where(write, shifted, history)
+    return history, folds + ops.cast(fresh, "int32")
+
+
+def history_scales(history, recipe):
+    """The delayed scales of the three tensors from `history` (3, H)."""
+    if recipe.amax_algo == "max":
+        amax = ops.max(history, axis=1)
+    else:
+        amax = history[:, 0]
+    formats = (recipe.forward_format,) * 2 + (recipe.backward_format,)
+    return ops.stack(
+        [
+            scale_from_amax(amax[i], fmt, recipe.margin)
+            for i, fmt in enumerate(formats)
+        ]
+    )
+
+
+def carrier_loss_scale(carrier):
+    """The loss scale `keras_mp.LossScaleOptimizer` wrote into the carrier
+    for this step, 1 where none did."""
+    value = carrier[0, LOSS_SCALE]
+    return ops.where(value > 0, value, ops.ones_like(value))
+
+
+def scaling(history, folds, carrier, recipe):
+    """The `Scaling` of a call, from the (folded) state and the carrier."""
+    parity = ops.one_hot(ops.mod(folds, 2), 2, dtype="float32")
+    return Scaling(
+        scales=history_scales(history, recipe),
+        first=folds == 0,
+        parity=parity,
+        loss_scale=carrier_loss_scale(carrier),
+    )
+
+
+def pack(scaling):
+    """`scaling` as one float32 vector (7,), an input a custom gradient
+    can take (JAX's must not close over values of the step)."""
+    return ops.concatenate(
+        [
+            scaling.scales,
+            ops.reshape(ops.cast(scaling.first, "float32"), (1,)),
+            scaling.parity,
+            ops.reshape(scaling.loss_scale, (1,)),
+        ]
+    )
+
+
+def unpack(packed):
+    """The `Scaling` `pack` made `packed` from."""
+    return Scaling(
+        scales=packed[0:3],
+        first=packed[3] > 0,
+        parity=packed[4:6],
+        loss_scale=packed[6],
+    )
+
+
+def pick(scaling, index, current_scale):
+    """The scale of tensor `index` (0 input, 1 kernel, 2 output gradient):
+    the current one on the first step, the delayed one after (times the
+    loss scale for the output gradient)."""
+    delayed = scaling.scales[index]
+    if index == 2:
+        delayed = delayed * scaling.loss_scale
+    return ops.where(scaling.first, current_scale, delayed)
+
+
+def carrier_gradient(statistics, scaling):
+    """The carrier's gradient: the statistics rows, the parity, and 0 for
+    the loss scale (the optimizer writes it)."""
+    rows = ops.shape(statistics)[0]
+    extra = ops.concatenate(
+        [scaling.parity, ops.zeros((1,), "float32")], axis=0
+    )
+    extra = ops.broadcast_to(ops.expand_dims(extra, 0), (rows, 3))
+    return ops.concatenate([statistics, extra], axis=1)
+
+
+def is_carrier(variable):
+    """Whether `variable` is the carrier of a delayed FP8 layer."""
+    return stats_module.is_carrier(variable) and (
+        tuple(variable.shape) == CARRIER_SHAPE
+    )
+
+
+def with_loss_scale(carrier, loss_scale):
+    """`carrier` with the loss scale of the next step written in."""
+    column = ops.ones((CARRIER_SHAPE[0], 1), "float32") * ops.cast(
+        ops.reshape(loss_scale, ()), "float32"
+    )
+    return ops.concatenate([carrier[:, :LOSS_SCALE], column], axis=1)

@@ -1,0 +1,322 @@
+"""Delayed FP8 scaling (issue 22, item 1): each scale from a window of earlier
+steps' amaxes, as Transformer Engine's `DelayedScaling` (power-of-two
+scales), with state that is not trainable, free of the loss scale, the max
+over repeated calls, and left alone by a skipped step."""
+
+import itertools
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+from keras_mp import fp8
+from keras_mp import fp8_layers
+from keras_mp.fp8 import delayed
+from keras_mp.testing import fp8_reference as reference
+from keras_mp.testing import to_numpy
+
+BATCH = 16
+FEATURES = 32
+UNITS = 16
+TE_RECIPES = [
+    fp8.Recipe(
+        scaling="delayed", amax_history=h, amax_algo=algo, margin=margin
+    )
+    for h, algo, margin in itertools.product(
+        (1, 16, 1024), ("max", "most_recent"), (0, 1)
+    )
+]
+
+
+def _state(layer):
+    return {
+        name: to_numpy(v)
+        for name, v in fp8_layers.delayed_state(layer).items()
+    }
+
+
+def _carrier(layer):
+    return to_numpy(fp8.stats.layer_carrier(layer))
+
+
+def _bin_value(amax):
+    """NumPy: the float32 the history holds for `amax`, apart from the
+    library: float32 exponent bits, and 1.875 where the mantissa is above
+    1.75 (0 below the normal range)."""
+    bits = np.asarray(amax, np.float32).view(np.int32)
+    exponent = bits >> 23
+    above = (bits & 0x7FFFFF) > (3 << 21)
+    out = (exponent << 23) + np.where(above, 0x700000, 0)
+    return np.where(exponent == 0, 0, out.astype(np.int32)).view(np.float32)
+
+
+def _te_scales(history, recipe):
+    """Transformer Engine's delayed-scaling formula with power-of-two
+    scales: the amax of the window (`max`) or its newest entry."""
+    formats = ("e4m3", "e4m3", recipe.backward_format)
+    amax = history.max(axis=1) if recipe.amax_algo == "max" else history[:, 0]
+    return np.array(
+        [reference.scale(a, f, recipe.margin) for a, f in zip(amax, formats)],
+        np.float32,
+    )
+
+
+def _linear_loss(y_true, y_pred):
+    # d loss / d y_pred = y_true / BATCH exactly: the output gradient of
+    # every layer is known to NumPy.
+    return keras.ops.sum(y_true * keras.ops.cast(y_pred, "float32"), axis=-1)
+
+
+def _parallel_model(recipes, compute="float32", seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((FEATURES,))
+    outputs = [
+        keras.layers.Dense(
+            UNITS,
+            use_bias=False,
+            dtype=keras_mp.Policy(compute, fp8=recipe),
+            name=f"dense_{i}",
+        )(inputs)
+        for i, recipe in enumerate(recipes)
+    ]
+    out = outputs[0] if len(outputs) == 1 else keras.layers.Concatenate()(
+        outputs
+    )
+    return keras.Model(inputs, out)
+
+
+def _step_data(step, layers, rng):
+    magnitude = 2.0 ** rng.integers(-6, 7)
+    x = (rng.normal(size=(BATCH, FEATURES)) * magnitude).astype(np.float32)
+    g_magnitude = 2.0 ** rng.integers(-8, 8, size=layers)
+    c = rng.normal(size=(BATCH, layers, UNITS)) * g_magnitude[None, :, None]
+    return x, c.reshape(BATCH, layers * UNITS).astype(np.float32)
+
+
+def test_fifty_steps_match_transformer_engines_formula_bit_for_bit():
+    """12 Dense layers side by side, one per amax_history in {1, 16, 1024},
+    amax_algo and margin in {0, 1}: after every step, each layer's history
+    and the scales its GEMMs used equal a NumPy simulation of TE's delayed
+    scaling from the step's true amaxes (the input, the kernel read from
+    the model, the output gradient `y / BATCH`)."""
+    model = _parallel_model(TE_RECIPES)
+    model.compile(keras.optimizers.SGD(0.05), loss=_linear_loss)
+    layers = [model.get_layer(f"dense_{i}") for i in range(len(TE_RECIPES))]
+    histories = [np.zeros((3, r.amax_history), np.float32) for r in TE_RECIPES]
+    rng = np.random.default_rng(7)
+    for step in range(50):
+        x, c = _step_data(step, len(layers), rng)
+        kernels = [np.abs(to_numpy(layer.kernel)).max() for layer in layers]
+        model.train_on_batch(x, c)
+        for i, (layer, recipe) in enumerate(zip(layers, TE_RECIPES)):
+            state = _state(layer)
+            expected = (
+                np.zeros(3, np.float32)
+                if step == 0
+                else _te_scales(histories[i], recipe)
+            )
+            np.testing.assert_array_equal(
+                state["fp8_scale"], expected, err_msg=f"{recipe} step {step}"
+            )
+            np.testing.assert_array_equal(
+                state["fp8_amax_history"], histories[i], err_msg=str(recipe)
+            )
+            assert state["fp8_steps"] == step
+            amaxes = _bin_value(
+                np.array(
+                    [
+                        np.abs(x).max(),
+                        kernels[i],
+                        np.abs(c[:, i * UNITS : (i + 1) * UNITS]).max() / BATCH,
+                    ],
+                    np.float32,
+                )
+            )
+            histories[i] = np.concatenate(
+                [amaxes[:, None], histories[i][:, :-1]], axis=1
+            )
+
+
+def test_the_first_step_runs_current_scaling_never_scale_one():
+    """Keras's float8 runs its first steps at scale 1.0; a delayed layer's
+    first step equals the current recipe's bit for bit."""
+    rng = np.random.default_rng(3)
+    x = (rng.normal(size=(BATCH, FEATURES)) * 1e-3).astype(np.float32)
+    outputs = []
+    for recipe in (fp8.Recipe(scaling="delayed"), fp8.Recipe()):
+        model = _parallel_model([recipe], seed=1)
+        outputs.append(to_numpy(model(x)))
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+    assert np.count_nonzero(outputs[0]) == outputs[0].size
+
+
+def _fit_steps(model, x, c, steps):
+    for _ in range(steps):
+        model.train_on_batch(x, c)
+
+
+def test_a_layer_called_twice_records_the_max_not_the_sum():
+    """Keras's float8 sums the "gradients" of its amax history over the
+    calls of a step: a scale 4x too large for a layer called twice."""
+    keras.utils.set_random_seed(2)
+    recipe = fp8.Recipe(scaling="delayed", amax_history=4)
+    layer = keras.layers.Dense(
+        FEATURES,
+        use_bias=False,
+        dtype=keras_mp.Policy("float32", fp8=recipe),
+        name="twice",
+    )
+    inputs = keras.Input((FEATURES,))
+    model = keras.Model(inputs, layer(layer(inputs)))
+    model.compile(keras.optimizers.SGD(0.0), loss=_linear_loss)
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(BATCH, FEATURES)).astype(np.float32)
+    c = rng.normal(size=(BATCH, FEATURES)).astype(np.float32)
+    _fit_steps(model, x, c, 2)
+    w = to_numpy(layer.kernel)
+    hidden = x @ w  # only its bin matters
+    history = _state(layer)["fp8_amax_history"]
+    expected_input = _bin_value(max(np.abs(x).max(), np.abs(hidden).max()))
+    assert history[0, 0] == expected_input
+    assert history[1, 0] == _bin_value(np.abs(w).max())
+    assert _state(layer)["fp8_steps"] == 1
+
+
+def test_the_output_gradient_history_is_free_of_the_loss_scale():
+    """Under mixed_float16, Keras's float8 stores the output gradient's amax
+    multiplied by the loss scale. Here a loss scale of 1 and of 2**12 give
+    the same history and scales, bit for bit."""
+    recipe = fp8.Recipe(scaling="delayed", amax_history=8)
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(BATCH, FEATURES)).astype(np.float32)
+    c = rng.normal(size=(BATCH, UNITS)).astype(np.float32)
+    states = []
+    for scale in (1.0, 2.0**12):
+        model = _parallel_model([recipe], compute="float16", seed=3)
+        optimizer = keras_mp.LossScaleOptimizer(
+            keras.optimizers.SGD(0.01),
+            loss_scale=keras_mp.FixedLossScale(scale),
+        )
+        model.compile(optimizer, loss=_linear_loss)
+        _fit_steps(model, x, c, 4)
+        states.append(_state(model.get_layer("dense_0")))
+        assert _carrier(model.get_layer("dense_0"))[0, delayed.LOSS_SCALE] == (
+            scale
+        )
+    for name in states[0]:
+        np.testing.assert_array_equal(states[0][name], states[1][name], name)
+    # The output gradient's amax is that of y / BATCH, not loss-scaled.
+    history = states[1]["fp8_amax_history"]
+    assert history[2, 0] <= 2 * np.abs(c).max() / BATCH
+
+
+def _effective_state(layer):
+    """The history and step count the next call quantizes with (the
+    carrier folded in, as the next call does), as NumPy."""
+    state = fp8_layers.delayed_state(layer)
+    history, steps = delayed.fold(
+        keras.ops.convert_to_tensor(_state(layer)["fp8_amax_history"]),
+        keras.ops.convert_to_tensor(_state(layer)["fp8_steps"]),
+        keras.ops.convert_to_tensor(_carrier(layer)),
+    )
+    assert state
+    return to_numpy(history), to_numpy(steps)
+
+
+def test_a_skipped_step_changes_no_state_the_next_step_uses():
+    """An inf in one layer's output gradient skips the step: the weights,
+    the carrier's statistics and the history the next call folds are
+    bit-identical, and no inf reaches a history."""
+    recipe = fp8.Recipe(scaling="delayed", amax_history=8)
+    model = _parallel_model([recipe, recipe], compute="float16", seed=4)
+    model.compile(
+        keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.01)),
+        loss=_linear_loss,
+    )
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(BATCH, FEATURES)).astype(np.float32)
+    c = rng.normal(size=(BATCH, 2 * UNITS)).astype(np.float32)
+    _fit_steps(model, x, c, 3)
+    layers = [model.get_layer("dense_0"), model.get_layer("dense_1")]
+    before = [_effective_state(layer) for layer in layers]
+    carriers = [_carrier(layer) for layer in layers]
+    weights = [to_numpy(w) for w in model.trainable_weights]
+    bad = c.copy()
+    bad[0, UNITS] = np.inf  # dense_1's output gradient only
+    model.train_on_batch(x, bad)
+    assert int(to_numpy(model.optimizer.skipped_steps)) == 1
+    for layer, (history, steps), carrier in zip(layers, before, carriers):
+        after_history, after_steps = _effective_state(layer)
+        np.testing.assert_array_equal(after_history, history)
+        assert after_steps == steps
+        np.testing.assert_array_equal(
+            _carrier(layer)[:, : delayed.LOSS_SCALE],
+            carrier[:, : delayed.LOSS_SCALE],
+        )
+    for w, previous in zip(model.trainable_weights, weights):
+        if not fp8.stats.is_carrier(w):
+            np.testing.assert_array_equal(to_numpy(w), previous)
+    _fit_steps(model, x, c, 2)
+    for layer in layers:
+        assert np.isfinite(_state(layer)["fp8_amax_history"]).all()
+
+
+def test_the_state_is_not_trainable():
+    """Keras's float8 counts 3 x 1024 + 3 state values per layer as
+    trainable parameters; the delayed state here is non-trainable."""
+    model = _parallel_model([fp8.Recipe(scaling="delayed")])
+    layer = model.get_layer("dense_0")
+    trainable = {v.path for v in model.trainable_weights}
+    state = fp8_layers.delayed_state(layer)
+    assert set(state) == {"fp8_amax_history", "fp8_steps", "fp8_scale"}
+    assert not trainable & {v.path for v in state.values()}
+    assert state["fp8_amax_history"].shape == (3, 1024)
+
+
+def test_resume_from_a_checkpoint_equals_uninterrupted_training(tmp_path):
+    """20 steps equal 10 steps, save_weights, load into a fresh model, 10
+    steps: weights, optimizer slots and FP8 state bit-identical."""
+    recipe = fp8.Recipe(scaling="delayed", amax_history=4)
+    rng = np.random.default_rng(8)
+    batches = [_step_data(i, 1, rng) for i in range(20)]
+
+    def fresh():
+        model = _parallel_model([recipe], compute="bfloat16", seed=5)
+        model.compile(keras.optimizers.Adam(1e-3), loss=_linear_loss)
+        model.optimizer.build(model.trainable_variables)
+        return model
+
+    straight = fresh()
+    for x, c in batches:
+        straight.train_on_batch(x, c)
+    first = fresh()
+    for x, c in batches[:10]:
+        first.train_on_batch(x, c)
+    path = str(tmp_path / "half.weights.h5")
+    first.save_weights(path)
+    second = fresh()
+    second.load_weights(path)
+    for x, c in batches[10:]:
+        second.train_on_batch(x, c)
+    for a, b in zip(straight.weights, second.weights):
+        assert a.path == b.path
+        np.testing.assert_array_equal(to_numpy(a), to_numpy(b), a.path)
+    for a, b in zip(straight.optimizer.variables, second.optimizer.variables):
+        np.testing.assert_array_equal(to_numpy(a), to_numpy(b), a.path)
+
+
+def test_a_shorter_history_loads_its_newest_entries(tmp_path):
+    rng = np.random.default_rng(9)
+    long = _parallel_model([fp8.Recipe(scaling="delayed", amax_history=8)])
+    long.compile(keras.optimizers.SGD(0.01), loss=_linear_loss)
+    for i in range(5):
+        long.train_on_batch(*_step_data(i, 1, rng))
+    path = str(tmp_path / "long.weights.h5")
+    long.save_weights(path)
+    short = _parallel_model([fp8.Recipe(scaling="delayed", amax_history=2)])
+    short.load_weights(path)
+    saved = _state(long.get_layer("dense_0"))["fp8_amax_history"]
+    np.testing.assert_array_equal(
+        _state(short.get_layer("dense_0"))["fp8_amax_history"], saved[:, :2]
+    )
