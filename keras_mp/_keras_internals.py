@@ -459,3 +459,28 @@ def install_policy_serialization(is_own_policy, note_key, note):
 
     keras.dtype_policies.serialize = serialize
     keras.dtype_policies.deserialize = deserialize
+
+
+def install_loading_wrapper(wrapper):
+    """Runs every Keras load of saved state inside `wrapper`.
+
+    `wrapper` is a context manager factory. `Model.load_weights` and
+    `keras.saving.load_model` (`.keras`, `.weights.h5`) call
+    `keras.src.saving.saving_lib.load_weights_only` and `load_model`
+    through the module (keras 3.0 - 3.15), which are replaced here by
+    functions that run the originals inside `wrapper()`.
+    """
+    from keras.src.saving import saving_lib
+
+    for name in ("load_model", "load_weights_only"):
+        original = getattr(saving_lib, name)
+        if getattr(original, "_keras_mp_hook", False):
+            continue
+
+        def load(*args, _original=original, **kwargs):
+            with wrapper():
+                return _original(*args, **kwargs)
+
+        functools.update_wrapper(load, original)
+        load._keras_mp_hook = True
+        setattr(saving_lib, name, load)

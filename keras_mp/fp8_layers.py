@@ -34,7 +34,10 @@ a fresh carrier into the history (`delayed.fold`), then quantizes with the
 history's scales. They are saved by name beside Keras's entries.
 """
 
+import contextlib
 import functools
+import threading
+import warnings
 
 import keras
 import numpy as np
@@ -528,13 +531,24 @@ def _carrier_value(value, shape):
 def _load_delayed_state(layer, store, names):
     """Restores the delayed state saved by name; a history of another
     length keeps its newest entries, or is padded with zeros (older
-    steps that never were)."""
+    steps that never were). A file without it leaves the layer to seed
+    its state at its first step; a layer without it ignores the file's.
+    Each such case is noted for the one warning of the load."""
     state = delayed_state(layer)
-    if not state or not set(_STATE_SHAPES) <= names:
+    saved = set(_STATE_SHAPES) <= names
+    path = layer.path or layer.name
+    if not state:
+        if saved:
+            _note_migration("ignored", path)
+        return
+    if not saved:
+        _note_migration("seeded", path)
         return
     values = {name: keras.ops.convert_to_numpy(store[name]) for name in state}
     history = values["fp8_amax_history"]
     length = state["fp8_amax_history"].shape[1]
+    if history.shape[1] != length:
+        _note_migration("resized", f"{path} ({history.shape[1]} -> {length})")
     padded = np.zeros((history.shape[0], length), "float32")
     kept = min(length, history.shape[1])
     padded[:, :kept] = history[:, :kept]
@@ -543,5 +557,63 @@ def _load_delayed_state(layer, store, names):
         variable.assign(values[name])
 
 
+_MIGRATIONS = {
+    "seeded": (
+        "have delayed FP8 scaling but the file has no state for them: "
+        "they run current scaling at their first step and start their "
+        "histories there"
+    ),
+    "ignored": (
+        "have no delayed FP8 scaling and ignored the file's state for them"
+    ),
+    "resized": (
+        "have an amax history of another length than the file's: it kept "
+        "its newest entries, padded with zeros"
+    ),
+}
+_loading = threading.local()
+
+
+def _note_migration(kind, where):
+    notes = getattr(_loading, "notes", None)
+    if notes is None:
+        # A layer loaded outside Keras's loaders: its own warning.
+        warnings.warn(_migration_message([(kind, where)]), stacklevel=3)
+    else:
+        notes.append((kind, where))
+
+
+def _migration_message(notes):
+    parts = []
+    for kind, text in _MIGRATIONS.items():
+        where = [w for k, w in notes if k == kind]
+        if where:
+            parts.append(f"{len(where)} layer(s) {text}: {', '.join(where)}")
+    return (
+        "Loaded a checkpoint saved with other FP8 recipes: "
+        + "; ".join(parts)
+        + ". Nothing else changed. Save again under the new recipes to "
+        "silence this."
+    )
+
+
+@contextlib.contextmanager
+def _one_migration_warning():
+    """Collects the FP8 state migrations of one Keras load and warns once
+    at its end, if there were any (nothing when the load fails)."""
+    if getattr(_loading, "notes", None) is not None:
+        yield  # a load inside a load: the outer one warns
+        return
+    _loading.notes = []
+    try:
+        yield
+        notes = _loading.notes
+    finally:
+        _loading.notes = None
+    if notes:
+        warnings.warn(_migration_message(notes), stacklevel=4)
+
+
 _install_call_hooks()
 _install_build_hooks()
+_keras_internals.install_loading_wrapper(_one_migration_warning)

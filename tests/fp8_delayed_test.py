@@ -315,8 +315,115 @@ def test_a_shorter_history_loads_its_newest_entries(tmp_path):
     path = str(tmp_path / "long.weights.h5")
     long.save_weights(path)
     short = _parallel_model([fp8.Recipe(scaling="delayed", amax_history=2)])
-    short.load_weights(path)
+    caught = _load_warnings(short, path)
+    assert len(caught) == 1 and "dense_0 (8 -> 2)" in caught[0]
     saved = _state(long.get_layer("dense_0"))["fp8_amax_history"]
     np.testing.assert_array_equal(
         _state(short.get_layer("dense_0"))["fp8_amax_history"], saved[:, :2]
     )
+
+
+def _trained(recipes, rng, steps=3):
+    model = _parallel_model(recipes, seed=6)
+    model.compile(keras.optimizers.SGD(0.01), loss=_linear_loss)
+    for i in range(steps):
+        model.train_on_batch(*_step_data(i, len(recipes), rng))
+    return model
+
+
+def _load_warnings(model, path):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.load_weights(path)
+    return [str(w.message) for w in caught if "FP8" in str(w.message)]
+
+
+def test_a_checkpoint_without_delayed_state_seeds_it_with_one_warning(
+    tmp_path,
+):
+    rng = np.random.default_rng(10)
+    plain = _trained([fp8.Recipe(), fp8.Recipe()], rng)
+    path = str(tmp_path / "current.weights.h5")
+    plain.save_weights(path)
+    recipe = fp8.Recipe(scaling="delayed", amax_history=4)
+    model = _parallel_model([recipe, recipe], seed=7)
+    caught = _load_warnings(model, path)
+    assert len(caught) == 1
+    assert "2 layer(s) have delayed FP8 scaling" in caught[0]
+    assert "dense_0" in caught[0] and "dense_1" in caught[0]
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        if got.shape == want.shape and got.ndim == 2 and got.shape[0] > 3:
+            np.testing.assert_array_equal(got, want)
+    layer = model.get_layer("dense_0")
+    assert _state(layer)["fp8_steps"] == 0
+    # The first step after the load runs current scaling, then seeds.
+    model.compile(keras.optimizers.SGD(0.01), loss=_linear_loss)
+    model.train_on_batch(*_step_data(0, 2, rng))
+    assert not _state(layer)["fp8_scale"].any()
+    model.train_on_batch(*_step_data(1, 2, rng))
+    assert _state(layer)["fp8_steps"] == 1
+    assert _state(layer)["fp8_scale"].all()
+
+
+def test_a_delayed_checkpoint_loads_without_delayed_state_with_one_warning(
+    tmp_path,
+):
+    rng = np.random.default_rng(11)
+    recipe = fp8.Recipe(scaling="delayed", amax_history=4)
+    model = _trained([recipe, recipe], rng)
+    path = str(tmp_path / "delayed.weights.h5")
+    model.save_weights(path)
+    plain = _parallel_model([fp8.Recipe(), fp8.Recipe()], seed=8)
+    caught = _load_warnings(plain, path)
+    assert len(caught) == 1 and "ignored the file's state" in caught[0]
+    for i in range(2):
+        np.testing.assert_array_equal(
+            to_numpy(plain.get_layer(f"dense_{i}").kernel),
+            to_numpy(model.get_layer(f"dense_{i}").kernel),
+        )
+    # The same checkpoint into the same recipes loads silently.
+    same = _parallel_model([recipe, recipe], seed=9)
+    assert _load_warnings(same, path) == []
+
+
+def test_a_keras_reload_keeps_the_weight_order_and_the_state(tmp_path):
+    """Keras's float8 model reorders its weights after a `.keras` reload;
+    a delayed keras_mp model keeps the order, and `set_weights(
+    get_weights())` works both ways between fresh and reloaded."""
+    rng = np.random.default_rng(12)
+    recipe = fp8.Recipe(scaling="delayed", amax_history=4)
+    model = _trained([recipe], rng)
+    path = str(tmp_path / "delayed.keras")
+    model.save(path)
+    reloaded = keras.models.load_model(path, compile=False)
+    assert [w.path for w in reloaded.weights] == [w.path for w in model.weights]
+    for got, want in zip(reloaded.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    fresh = _parallel_model([recipe], seed=13)
+    fresh.set_weights(reloaded.get_weights())
+    reloaded.set_weights(fresh.get_weights())
+    x = _step_data(0, 1, rng)[0]
+    np.testing.assert_array_equal(
+        to_numpy(reloaded(x)), to_numpy(model(x))
+    )
+
+
+def test_a_frozen_delayed_layer_runs_current_scaling():
+    """Keras's frozen float8 layer never calibrates (scale 1.0, 1e-3-sized
+    inputs flush to zero). A frozen delayed layer gets no carrier gradient
+    and keeps running current scaling: its output is the current recipe's,
+    bit for bit, after training."""
+    x = (np.random.default_rng(14).normal(size=(BATCH, FEATURES)) * 1e-3)
+    x = x.astype(np.float32)
+    outputs = []
+    for recipe in (fp8.Recipe(scaling="delayed"), fp8.Recipe()):
+        model = _parallel_model([recipe], seed=15)
+        model.get_layer("dense_0").trainable = False
+        model.compile(keras.optimizers.SGD(0.01), loss=_linear_loss)
+        for i in range(3):
+            model.train_on_batch(x, np.ones((BATCH, UNITS), np.float32))
+        outputs.append(to_numpy(model.predict_on_batch(x)))
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+    assert np.count_nonzero(outputs[0]) == outputs[0].size

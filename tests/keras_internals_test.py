@@ -210,3 +210,16 @@ class TestTrainerAndSaveable:
         layer = Layer()
         layer.set_untracked([keras.Variable(1.0)])
         assert layer.weights == []
+
+
+def test_keras_loaders_run_inside_keras_mps_loading_wrapper():
+    """`load_model` and `load_weights_only` are replaced once, and the
+    replacements call the originals inside the wrapper (the FP8 layers'
+    one migration warning per load)."""
+    from keras.src.saving import saving_lib
+
+    for name in ("load_model", "load_weights_only"):
+        assert getattr(saving_lib, name)._keras_mp_hook
+    before = saving_lib.load_weights_only
+    _keras_internals.install_loading_wrapper(lambda: None)
+    assert saving_lib.load_weights_only is before
