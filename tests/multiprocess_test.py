@@ -660,3 +660,97 @@ def test_ddp_float16_compression_hook_skips_together_within_tolerance(
         for a, e in zip(hooked, exact, strict=True):
             assert_close(a, e, dtype="float16")
         assert any(a.tobytes() != e.tobytes() for a, e in zip(hooked, exact))
+
+
+# PyTorch: delayed FP8 scaling under DistributedDataParallel (issue 22,
+# item 6). DDP averages every gradient, the carriers' too: each one-hot
+# amax bin becomes 1/2, still present, so both processes fold the global
+# batch's amax; the largest inputs are all in process 1's rows. The loss
+# is each process's mean, as in Keras's DDP guide.
+_TORCH_DELAYED = """
+import keras
+import torch
+import torch.distributed as dist
+from keras import ops
+from torch.nn.parallel import DistributedDataParallel
+
+import keras_mp
+from keras_mp import fp8
+from keras_mp import fp8_layers
+
+dist.init_process_group(
+    "gloo",
+    init_method=os.environ["KERAS_MP_TEST_INIT_METHOD"],
+    rank=RANK,
+    world_size=2,
+)
+data = np.random.RandomState(1).randn(32, 16).astype("float32")
+data[8:16] *= 100
+data[24:32] *= 100
+targets = np.random.RandomState(2).randn(32, 16).astype("float32")
+recipe = fp8.Recipe(scaling="delayed", amax_history=4)
+
+
+def fp8_model():
+    keras.utils.set_random_seed(0)
+    policy = keras_mp.Policy("float32", fp8=recipe)
+    return keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(16, name="up", dtype=policy),
+            keras.layers.Dense(16, name="out", dtype=policy),
+        ]
+    )
+
+
+def train(call, model, rows_of):
+    optimizer = keras.optimizers.SGD(0.01)
+    variables = model.trainable_variables
+    for step in range(4):
+        rows = rows_of(step % 2)
+        model.zero_grad()
+        prediction = call(torch.as_tensor(data[rows]))
+        loss = ops.mean(ops.square(prediction - torch.as_tensor(targets[rows])))
+        loss.backward()
+        with torch.no_grad():
+            optimizer.apply([v.value.grad for v in variables], variables)
+    return [
+        to_numpy(v.value)
+        for v in fp8_layers.delayed_state(model.get_layer("up")).values()
+    ]
+
+
+model = fp8_model()
+save("ddp_delayed", train(DistributedDataParallel(model), model, local_rows))
+model = fp8_model()
+save("one_delayed", train(model, model, lambda b: slice(16 * b, 16 * b + 16)))
+finish()
+"""
+
+
+@pytest.mark.backends("torch")
+@pytest.mark.slow
+def test_ddp_processes_hold_one_processs_delayed_fp8_state(tmp_path):
+    ranks = _run_processes(
+        _TORCH_DELAYED,
+        str(tmp_path),
+        {
+            "KERAS_BACKEND": "torch",
+            "OMP_NUM_THREADS": "1",
+            "KERAS_MP_TEST_INIT_METHOD": f"tcp://127.0.0.1:{_free_port()}",
+        },
+    )
+    _assert_processes_identical(ranks, "ddp_delayed")
+    for _, arrays in ranks:
+        history, steps, scale = _group(arrays, "ddp_delayed")
+        one_history, one_steps, one_scale = _group(arrays, "one_delayed")
+        assert steps == one_steps == 3
+        assert 2.0**8 <= one_history[0, 0] < 2.0**9  # 100x a normal's amax
+        # The input and the kernel: one process's, bit for bit. Each
+        # process's output gradient is its own half-batch mean's, twice
+        # the global mean's (DDP averages the weight gradients): its
+        # history and scale are one process's times 2, exactly.
+        assert_bitwise_equal(history[:2], one_history[:2])
+        assert_bitwise_equal(scale[:2], one_scale[:2])
+        assert_bitwise_equal(history[2], one_history[2] * 2)
+        assert_bitwise_equal(scale[2], one_scale[2] * 2)

@@ -20,6 +20,7 @@ import keras
 from keras import ops
 
 from keras_mp.backend import fp8 as fp8_backend
+from keras_mp.backend import gradients as backend_gradients
 from keras_mp.fp8 import delayed as delayed_module
 from keras_mp.fp8 import recipe as recipe_module
 from keras_mp.fp8 import stats as stats_module
@@ -346,11 +347,19 @@ def dot(x, kernel, recipe=None, output_dtype=None, stats=None, delayed=None):
             dx, dw = backward(args, upstream)
             # Filled by `backward` with the output gradient's row.
             statistics = ops.stack([rows[t] for t in stats_module.TENSORS])
-            return dx, dw, statistics
+            return dx, dw, _across_replicas(statistics)
 
         return out, grad
 
     return fp8_dot_with_stats(x, kernel, stats)
+
+
+def _across_replicas(carrier_gradient):
+    """The element-wise max of a carrier's gradient over tf.distribute's
+    replicas (as is elsewhere): every replica's optimizer then assigns
+    the bins of the global batch, whichever replica's it keeps (Keras's
+    keeps one replica's overwritten gradients)."""
+    return backend_gradients.all_reduce_max([carrier_gradient])[0]
 
 
 def _delayed_dot(x, kernel, carrier, scaling, forward):
@@ -368,12 +377,8 @@ def _delayed_dot(x, kernel, carrier, scaling, forward):
         def grad(*args, upstream=None):
             dx, dw = backward(args[:1], upstream)
             statistics = ops.stack([rows[t] for t in stats_module.TENSORS])
-            return (
-                dx,
-                dw,
-                delayed_module.carrier_gradient(statistics, scaling),
-                ops.zeros_like(packed),
-            )
+            carrier = delayed_module.carrier_gradient(statistics, scaling)
+            return dx, dw, _across_replicas(carrier), ops.zeros_like(packed)
 
         return out, grad
 

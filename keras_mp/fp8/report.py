@@ -171,8 +171,8 @@ def report(model):
     zero), each value with its own scale (per row or tile with
     `"rowwise"` and `"block"`). A layer called several times in a step
     shows its amax as the range from the lowest to the highest bin and
-    the summed counts; under tf.distribute replicas (with keras_mp's
-    optimizers) and over an accumulation window, the bins of all and the
+    the summed counts; under tf.distribute replicas and over an
+    accumulation window, the bins of all and the
     worst one's counts (see `keras_mp/fp8/stats.py`). Under
     `keras_mp.LossScaleOptimizer` the output gradient's amax is free of
     the loss scale; under Keras's own `LossScaleOptimizer` it is

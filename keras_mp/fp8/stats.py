@@ -23,11 +23,11 @@ the format's largest value before the clip; never under current scaling,
 counted all the same for delayed scaling to reuse this channel).
 
 Autodiff sums a carrier's gradient over the calls of a layer in a step (and
-over the batch's shards under JAX's `DataParallel`); keras_mp's optimizers
-take the max of overwritten gradients across tf.distribute replicas (a
-plain Keras optimizer keeps one replica's), and Keras's optimizer takes
-their max over a `gradient_accumulation_steps` window, assigning it at the
-window's last micro-step. The bins present are those of every call,
+over the batch's shards under JAX's `DataParallel`); each GEMM's backward
+takes its max across tf.distribute replicas (`fp8/dot.py`: Keras's
+optimizer keeps one replica's overwritten gradient), and Keras's optimizer
+takes their max over a `gradient_accumulation_steps` window, assigning it
+at the window's last micro-step. The bins present are those of every call,
 replica and micro-step, the highest being the step's amax; the counts are
 the step's under the sum, and under the max those of the worst replica or
 micro-step. Counts are float32: exact up to 2**24 values per tensor,
