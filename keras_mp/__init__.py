@@ -32,6 +32,12 @@ from keras_mp.policy import policy_scope
 from keras_mp.policy import set_global_policy
 from keras_mp.recommend import PolicyRecommendation
 from keras_mp.recommend import recommend_policy
+from keras_mp import fp8_freeze as _fp8_freeze
+
+# `fp8.freeze` works on Keras layers (floor 4, `fp8_freeze.py`), above the
+# `fp8` subpackage's floor: it joins the subpackage's names here.
+fp8.freeze = _fp8_freeze.freeze
+fp8.__all__ = sorted([*fp8.__all__, "freeze"])
 
 __version__ = "0.1.0"
 

@@ -40,6 +40,7 @@ import threading
 import warnings
 
 import keras
+import ml_dtypes
 import numpy as np
 
 from keras_mp import _keras_internals
@@ -167,12 +168,16 @@ def sync_stats_carrier(layer):
     recipe = layer_recipe(layer)
     usable = recipe is not None and has_gemm(layer)
     delayed = usable and recipe.scaling == "delayed"
+    static = usable and recipe.scaling == "static"
+    if static and not static_state(layer):
+        _make_static(layer)
+    wanted = usable and not static and (recipe.stats or delayed)
     shape = delayed_module.CARRIER_SHAPE if delayed else stats_module.SHAPE
     carrier = stats_module.layer_carrier(layer)
     if carrier is not None and tuple(carrier.shape) != shape:
         _keras_internals.untrack_variable(layer, carrier)
         carrier = None
-    if usable and (recipe.stats or delayed) and carrier is None:
+    if wanted and carrier is None:
         # A layer may be given its recipe after it was built (a path rule
         # applied when its model is built).
         carrier = _keras_internals.add_weight_to_built_layer(
@@ -186,7 +191,7 @@ def sync_stats_carrier(layer):
             overwrite_with_gradient=True,
         )
         carrier._keras_mp_fp8_stats = True
-    elif carrier is not None and not (usable and (recipe.stats or delayed)):
+    elif carrier is not None and not wanted:
         _keras_internals.untrack_variable(layer, carrier)
     history = recipe.amax_history if delayed else None
     for name, variable in delayed_state(layer).items():
@@ -218,6 +223,95 @@ def _add_delayed_state(layer, history):
             aggregation="only_first_replica",
         )
         variable._keras_mp_fp8_state = name
+
+
+def _make_static(layer):
+    """Gives a layer the state of a static (frozen) recipe, in place of
+    its float kernel: the kernel's FP8 E4M3 codes (uint8 bit patterns),
+    the kernel's scale and the input's (assigned by `fp8.freeze` or a
+    load)."""
+    if layer._kernel is None:
+        return
+    shape = tuple(layer._kernel.shape)
+    _keras_internals.untrack_variable(layer, layer._kernel)
+    layer._kernel = None
+    for name, (variable_shape, dtype) in {
+        "fp8_kernel_codes": (shape, "uint8"),
+        "fp8_kernel_scale": ((), "float32"),
+        "fp8_input_scale": ((), "float32"),
+    }.items():
+        variable = _keras_internals.add_weight_to_built_layer(
+            layer,
+            name=name,
+            shape=variable_shape,
+            initializer="zeros" if dtype == "uint8" else "ones",
+            dtype=dtype,
+            trainable=False,
+            autocast=False,
+        )
+        variable._keras_mp_fp8_static = name
+
+
+def static_state(layer):
+    """`{name: variable}` of a frozen layer's codes and scales, or `{}`."""
+    own = _keras_internals.own_variables(layer)
+    return {
+        v._keras_mp_fp8_static: v
+        for v in own
+        if getattr(v, "_keras_mp_fp8_static", None) is not None
+    }
+
+
+# The float32 value of each E4M3 code, by its bit pattern.
+_E4M3_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+_E4M3_VALUES = _E4M3_VALUES.astype(np.float32)
+
+
+def _static_output(layer, recipe, inputs, training, equation=None):
+    """A frozen layer's GEMM: the input quantized with its fixed scale, the
+    stored kernel codes with theirs (the same FP8 GEMM `fp8.dot` runs, on
+    the same codes). For inference only."""
+    if training:
+        raise ValueError(
+            f"Layer {layer.name!r} was frozen for inference by "
+            "`keras_mp.fp8.freeze`: its kernel is stored as FP8 codes and "
+            "cannot train. Received: a call with training=True. Train the "
+            "model before freezing it, and use the frozen one with "
+            "`predict` or `model(x)`."
+        )
+    state = static_state(layer)
+    ops = keras.ops
+    codes = ops.cast(_stored(state["fp8_kernel_codes"]), "int32")
+    kernel_scale = _stored(state["fp8_kernel_scale"])
+    kernel = ops.take(_E4M3_VALUES, codes) * kernel_scale
+    scaling = delayed_module.Scaling(
+        scales=ops.stack(
+            [_stored(state["fp8_input_scale"]), kernel_scale, 1.0]
+        ),
+        first=ops.convert_to_tensor(False),
+        parity=ops.zeros((2,), "float32"),
+        loss_scale=ops.convert_to_tensor(1.0, "float32"),
+    )
+    gemm_recipe = fp8.Recipe(
+        scaling="delayed", formats=recipe.formats, margin=recipe.margin
+    )
+    kwargs = dict(
+        recipe=gemm_recipe,
+        output_dtype=layer.compute_dtype,
+        stats=ops.zeros(delayed_module.CARRIER_SHAPE, "float32"),
+        delayed=scaling,
+    )
+    if equation is None:
+        return fp8.dot(inputs, kernel, **kwargs)
+    return fp8.einsum(equation, inputs, kernel, **kwargs)
+
+
+def _calibrate(layer, inputs):
+    """Records the amax of a call's inputs while `fp8.freeze` calibrates."""
+    amaxes = getattr(layer, "_keras_mp_fp8_calibration", None)
+    if amaxes is not None:
+        value = keras.ops.max(keras.ops.abs(keras.ops.cast(inputs, "float32")))
+        amaxes.append(float(keras.ops.convert_to_numpy(value)))
 
 
 def delayed_state(layer):
@@ -347,6 +441,10 @@ def _install_call_hooks():
         recipe = _call_recipe(self)
         if recipe is None:
             return dense_call(self, inputs, training=training)
+        _calibrate(self, inputs)
+        if recipe.scaling == "static":
+            x = _static_output(self, recipe, inputs, training)
+            return _bias_and_activation(self, x)
         stats = _stats_input(self, recipe)
         x = fp8.dot(
             inputs,
@@ -363,6 +461,10 @@ def _install_call_hooks():
         recipe = _call_recipe(self)
         if recipe is None:
             return einsum_call(self, inputs, training=training)
+        _calibrate(self, inputs)
+        if recipe.scaling == "static":
+            x = _static_output(self, recipe, inputs, training, self.equation)
+            return _bias_and_activation(self, x)
         stats = _stats_input(self, recipe)
         x = fp8.einsum(
             self.equation,
@@ -427,6 +529,15 @@ def _saves_lora(layer):
 def _save_hook(original):
     @functools.wraps(original)
     def save_own_variables(self, store):
+        static = static_state(self)
+        if static:
+            # A frozen layer has no float kernel: its bias by index, its
+            # codes and scales by name.
+            if self.bias is not None:
+                store["0"] = self.bias
+            for name, variable in static.items():
+                store[name] = variable
+            return
         original(self, store)
         carrier = stats_module.layer_carrier(self)
         if carrier is not None:
@@ -466,6 +577,10 @@ def _load_hook(original):
     @functools.wraps(original)
     def load_own_variables(self, store):
         names = set(store.keys())
+        static = static_state(self)
+        if static:
+            _load_static(self, store, names, static)
+            return
         entries = [name for name in _LORA_ENTRIES if name in names]
         named = set(_LORA_ENTRIES) | set(_STATE_SHAPES)
         full = store
@@ -496,9 +611,10 @@ def _load_carrier(layer, store, original):
         own -= 2  # Keras saves the merged kernel, not A and B
     own -= len(delayed_state(layer))  # saved by name
     last = keys[-1] if keys else None
-    saved = last is not None and tuple(
-        getattr(store[last], "shape", ())
-    ) in (stats_module.SHAPE, delayed_module.CARRIER_SHAPE)
+    saved = last is not None and tuple(getattr(store[last], "shape", ())) in (
+        stats_module.SHAPE,
+        delayed_module.CARRIER_SHAPE,
+    )
     # Keras's check counts the layer's variables, the state saved by name
     # among them (never read: Dense reads its own entries by index).
     state = list(delayed_state(layer))
@@ -515,6 +631,24 @@ def _load_carrier(layer, store, original):
         load(keys[:-1])
     else:
         load(keys)
+
+
+def _load_static(layer, store, names, static):
+    if not set(static) <= names:
+        raise ValueError(
+            f"Layer {layer.name!r} is frozen (`keras_mp.fp8.freeze`) and "
+            "loads FP8 kernel codes and scales, which this file does not "
+            f"hold for it. Received entries: {sorted(names)}. Load the "
+            "file into the model before freezing it, then call "
+            "`keras_mp.fp8.freeze` again."
+        )
+    values = {name: store[name] for name in static}
+    if layer.bias is not None:
+        values["bias"] = store["0"]
+    for name, variable in static.items():
+        variable.assign(values[name])
+    if layer.bias is not None:
+        layer.bias.assign(values["bias"])
 
 
 def _carrier_value(value, shape):

@@ -7,7 +7,6 @@ import itertools
 
 import keras
 import numpy as np
-import pytest
 
 import keras_mp
 from keras_mp import fp8
@@ -20,9 +19,7 @@ BATCH = 16
 FEATURES = 32
 UNITS = 16
 TE_RECIPES = [
-    fp8.Recipe(
-        scaling="delayed", amax_history=h, amax_algo=algo, margin=margin
-    )
+    fp8.Recipe(scaling="delayed", amax_history=h, amax_algo=algo, margin=margin)
     for h, algo, margin in itertools.product(
         (1, 16, 1024), ("max", "most_recent"), (0, 1)
     )
@@ -31,8 +28,7 @@ TE_RECIPES = [
 
 def _state(layer):
     return {
-        name: to_numpy(v)
-        for name, v in fp8_layers.delayed_state(layer).items()
+        name: to_numpy(v) for name, v in fp8_layers.delayed_state(layer).items()
     }
 
 
@@ -80,8 +76,8 @@ def _parallel_model(recipes, compute="float32", seed=0):
         )(inputs)
         for i, recipe in enumerate(recipes)
     ]
-    out = outputs[0] if len(outputs) == 1 else keras.layers.Concatenate()(
-        outputs
+    out = (
+        outputs[0] if len(outputs) == 1 else keras.layers.Concatenate()(outputs)
     )
     return keras.Model(inputs, out)
 
@@ -405,9 +401,7 @@ def test_a_keras_reload_keeps_the_weight_order_and_the_state(tmp_path):
     fresh.set_weights(reloaded.get_weights())
     reloaded.set_weights(fresh.get_weights())
     x = _step_data(0, 1, rng)[0]
-    np.testing.assert_array_equal(
-        to_numpy(reloaded(x)), to_numpy(model(x))
-    )
+    np.testing.assert_array_equal(to_numpy(reloaded(x)), to_numpy(model(x)))
 
 
 def test_a_frozen_delayed_layer_runs_current_scaling():
@@ -415,14 +409,14 @@ def test_a_frozen_delayed_layer_runs_current_scaling():
     inputs flush to zero). A frozen delayed layer gets no carrier gradient
     and keeps running current scaling: its output is the current recipe's,
     bit for bit, after training."""
-    x = (np.random.default_rng(14).normal(size=(BATCH, FEATURES)) * 1e-3)
+    x = np.random.default_rng(14).normal(size=(BATCH, FEATURES)) * 1e-3
     x = x.astype(np.float32)
     outputs = []
     for recipe in (fp8.Recipe(scaling="delayed"), fp8.Recipe()):
         model = _parallel_model([recipe], seed=15)
         model.get_layer("dense_0").trainable = False
         model.compile(keras.optimizers.SGD(0.01), loss=_linear_loss)
-        for i in range(3):
+        for _ in range(3):
             model.train_on_batch(x, np.ones((BATCH, UNITS), np.float32))
         outputs.append(to_numpy(model.predict_on_batch(x)))
     np.testing.assert_array_equal(outputs[0], outputs[1])

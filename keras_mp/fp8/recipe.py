@@ -13,7 +13,7 @@ import keras
 
 from keras_mp import _config
 
-SCALINGS = ("current", "delayed")
+SCALINGS = ("current", "delayed", "static")
 GRANULARITIES = ("tensorwise", "rowwise", "block")
 FORMATS = ("hybrid", "e4m3")
 AMAX_ALGOS = ("max", "most_recent")
@@ -97,7 +97,10 @@ class Recipe:
             it from a history of earlier steps' amaxes, kept in
             non-trainable variables of the layer (Transformer Engine's
             recipe; tensorwise only; the first step runs current scaling;
-            see `keras_mp/fp8/delayed.py`). Defaults to `"current"`.
+            see `keras_mp/fp8/delayed.py`). `"static"` is what
+            `keras_mp.fp8.freeze` gives a layer for inference: a fixed
+            input scale and the kernel stored as FP8 codes and its scale
+            (tensorwise only). Defaults to `"current"`.
         granularity: How many values share a scale. `"tensorwise"`: one
             per tensor. `"rowwise"`: one per row of the contracted
             dimension (per token for activations and gradients, per output
@@ -161,13 +164,14 @@ class Recipe:
                 "`stats=True` or `stats=False`."
             )
         self._stats = stats
-        if scaling == "delayed" and granularity != "tensorwise":
+        if scaling != "current" and granularity != "tensorwise":
             raise ValueError(
-                "Delayed scaling keeps one amax history per tensor, as "
-                "Transformer Engine's does, so it scales whole tensors. "
+                f"{scaling.capitalize()} scaling keeps one scale per tensor "
+                "(one amax history, as Transformer Engine's delayed "
+                "scaling), so it scales whole tensors. "
                 f"Received: scaling={scaling!r}, granularity="
                 f"{granularity!r}. Use granularity='tensorwise' with "
-                "scaling='delayed', or scaling='current' for rowwise and "
+                f"scaling={scaling!r}, or scaling='current' for rowwise and "
                 "block scales."
             )
 

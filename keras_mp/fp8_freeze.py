@@ -1,0 +1,211 @@
+"""`keras_mp.fp8.freeze`: an FP8 model made an inference model.
+
+Each FP8 Dense and EinsumDense gets `Recipe(scaling="static")`: its kernel
+(LoRA merged in first) is stored as FP8 E4M3 codes (one byte a value, half
+of bfloat16's) and a power-of-two scale, its input scale is fixed, and its
+float32 kernel is gone. A frozen layer runs the same FP8 GEMM as in
+training, forward only, and saves and reloads (`.keras`, `.weights.h5`)
+as such.
+
+Imports from keras_mp only `_keras_internals`, `fp8`, `fp8_layers`,
+`policy`; nothing above its floor (see ARCHITECTURE.md).
+"""
+
+import keras
+import ml_dtypes
+import numpy as np
+
+from keras_mp import _keras_internals
+from keras_mp import fp8
+from keras_mp import fp8_layers
+from keras_mp import policy as policy_module
+from keras_mp.fp8 import delayed as delayed_module
+from keras_mp.fp8 import stats as stats_module
+from keras_mp.fp8.quantize import scale_from_amax
+from keras_mp.policy import Policy
+
+
+def _input_scale(layer, recipe):
+    """The input scale training left: the delayed history's, or that of
+    the last step's statistics; None when neither is known."""
+    margin = recipe.margin
+    state = fp8_layers.delayed_state(layer)
+    if state and int(keras.ops.convert_to_numpy(state["fp8_steps"])) > 0:
+        history = keras.ops.convert_to_numpy(state["fp8_amax_history"])
+        return float(
+            keras.ops.convert_to_numpy(
+                delayed_module.history_scales(history, recipe)[0]
+            )
+        )
+    carrier = stats_module.layer_carrier(layer)
+    if carrier is None or not layer.trainable:
+        return None
+    values = keras.ops.convert_to_numpy(carrier)
+    bins = np.flatnonzero(values[0, : stats_module.FINITE_BINS])
+    if not values[0, stats_module.COUNT] or not len(bins):
+        return None
+    amax = stats_module.bin_amax(bins[-1])
+    return float(
+        keras.ops.convert_to_numpy(scale_from_amax(amax, "e4m3", margin))
+    )
+
+
+def _calibrated_scales(model, layers, calibration_data):
+    """Runs `model` on `calibration_data` (eagerly) and returns each
+    layer's input scale from the largest amax its calls saw."""
+    for layer in layers:
+        layer._keras_mp_fp8_calibration = []
+    try:
+        model(calibration_data, training=False)
+        amaxes = {
+            layer: max(layer._keras_mp_fp8_calibration, default=None)
+            for layer in layers
+        }
+    finally:
+        for layer in layers:
+            layer._keras_mp_fp8_calibration = None
+    uncalled = [layer.name for layer, amax in amaxes.items() if amax is None]
+    if uncalled:
+        raise ValueError(
+            "`calibration_data` did not reach every FP8 layer that needs an "
+            f"input scale. Received: no call of {uncalled}. Pass inputs "
+            "that run through the whole model."
+        )
+    return {
+        layer: float(
+            keras.ops.convert_to_numpy(
+                scale_from_amax(
+                    np.float32(amax),
+                    "e4m3",
+                    fp8_layers.layer_recipe(layer).margin,
+                )
+            )
+        )
+        for layer, amax in amaxes.items()
+    }
+
+
+def _merged_kernel(layer):
+    """The float32 kernel the layer multiplies, LoRA's update merged."""
+    with _keras_internals.without_autocast():
+        return keras.ops.convert_to_numpy(
+            keras.ops.cast(layer.kernel, "float32")
+        )
+
+
+def _drop_lora(layer):
+    if getattr(layer, "lora_enabled", False):
+        for variable in (layer.lora_kernel_a, layer.lora_kernel_b):
+            _keras_internals.untrack_variable(layer, variable)
+        layer.lora_kernel_a = layer.lora_kernel_b = None
+        layer.lora_enabled = False
+        layer.lora_rank = None
+
+
+def freeze(model, calibration_data=None):
+    """Makes a trained FP8 model an inference model, in place.
+
+    Every Dense and EinsumDense with an FP8 recipe gets
+    `keras_mp.fp8.Recipe(scaling="static")`: its kernel, with a LoRA
+    update merged in first, is stored as FP8 E4M3 codes (a uint8 variable,
+    `fp8_kernel_codes`: half of a bfloat16 kernel's bytes) and its
+    power-of-two scale (`fp8_kernel_scale`); its input scale
+    (`fp8_input_scale`) is fixed; its float32 kernel, statistics carrier
+    and delayed state are removed. A frozen layer runs the FP8 GEMM it
+    trained with, forward only, and raises if called with
+    `training=True`. The model saves and reloads (`.keras`,
+    `.weights.h5` into a frozen model) and predicts as it did.
+
+    The input scale comes from the layer's training: the delayed
+    history's scale (`scaling="delayed"`), or that of the last step's
+    statistics (`stats=True`); other layers need `calibration_data`, on
+    which the model runs once, each layer's scale then fitting the
+    largest input it saw. Inputs beyond it later saturate (are clipped to
+    E4M3's 448 times the scale).
+
+    Args:
+        model: A built Keras model (or layer) with FP8 layers.
+        calibration_data: Inputs of `model` (one batch, as `model(x)`
+            takes it), used only for layers whose training left no input
+            scale. Defaults to `None`.
+
+    Returns:
+        `model`, frozen.
+
+    Raises:
+        ValueError: no FP8 layer; a layer needs `calibration_data` and
+            none was given; a layer is frozen already.
+    """
+    layers = [
+        layer
+        for layer in _keras_internals.all_layers(model)
+        if fp8_layers.layer_recipe(layer) is not None
+        and fp8_layers.has_gemm(layer)
+        and layer.built
+    ]
+    if not layers:
+        raise ValueError(
+            "`keras_mp.fp8.freeze` freezes the FP8 layers of a built model, "
+            f"and this one has none. Received: model={model.name!r}. Train "
+            "it with FP8 first, e.g. under `keras_mp.set_global_policy("
+            "'mixed_bfloat16', fp8=True)`."
+        )
+    frozen = [
+        layer.name
+        for layer in layers
+        if fp8_layers.layer_recipe(layer).scaling == "static"
+    ]
+    if frozen:
+        raise ValueError(
+            f"Layers {frozen} are frozen already. Received: model="
+            f"{model.name!r}. Freeze the trained model once."
+        )
+    scales = {
+        layer: _input_scale(layer, fp8_layers.layer_recipe(layer))
+        for layer in layers
+    }
+    missing = [layer for layer, scale in scales.items() if scale is None]
+    if missing and calibration_data is None:
+        raise ValueError(
+            "These FP8 layers ran current scaling without statistics, so "
+            "their training left no input scale to freeze: "
+            f"{[layer.name for layer in missing]}. Received: "
+            "calibration_data=None. Pass `calibration_data=x` (inputs of "
+            "the model), or train with `keras_mp.fp8.Recipe(stats=True)` "
+            "or `scaling='delayed'`."
+        )
+    if missing:
+        scales.update(_calibrated_scales(model, missing, calibration_data))
+    for layer in layers:
+        recipe = fp8_layers.layer_recipe(layer)
+        kernel = _merged_kernel(layer)
+        kernel_scale = np.float32(
+            keras.ops.convert_to_numpy(
+                scale_from_amax(np.max(np.abs(kernel)), "e4m3", recipe.margin)
+            )
+        )
+        # The codes `fp8.quantize` gives (clip, then round to nearest even),
+        # as bit patterns: not every backend converts FP8 tensors to NumPy.
+        codes = np.clip(kernel / kernel_scale, -448.0, 448.0)
+        codes = codes.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        _drop_lora(layer)
+        policy = Policy(
+            policy_module.layer_policy(layer).name,
+            loss_scale=None,
+            fp8=fp8.Recipe(
+                scaling="static", formats=recipe.formats, margin=recipe.margin
+            ),
+        )
+        _keras_internals.replace_layer_policy(layer, policy)
+        fp8_layers.sync_stats_carrier(layer)
+        state = fp8_layers.static_state(layer)
+        state["fp8_kernel_codes"].assign(codes)
+        state["fp8_kernel_scale"].assign(
+            keras.ops.convert_to_numpy(kernel_scale)
+        )
+        state["fp8_input_scale"].assign(np.float32(scales[layer]))
+        layer.trainable = False
+    for name in ("train_function", "test_function", "predict_function"):
+        if getattr(model, name, None) is not None:
+            setattr(model, name, None)
+    return model
