@@ -11,6 +11,7 @@ of Keras 3.
 from keras_mp import _supported_backends  # noqa: F401, I001
 from keras_mp import callbacks
 from keras_mp import fp8
+from keras_mp import fp8_adopt
 from keras_mp import losses
 from keras_mp import models
 from keras_mp import optimizers
@@ -38,6 +39,12 @@ from keras_mp import fp8_freeze as _fp8_freeze
 # `fp8` subpackage's floor: it joins the subpackage's names here.
 fp8.freeze = _fp8_freeze.freeze
 fp8.__all__ = sorted([*fp8.__all__, "freeze"])
+
+# `keras_mp.fp8.adopt` turns Keras's float8 layers into keras_mp's FP8
+# layers (`fp8_adopt.py`, floor 4), which `keras_mp.fp8` (floor 3) must not
+# import: the face puts it in place.
+fp8.adopt = fp8_adopt.adopt
+fp8.__all__ = sorted([*fp8.__all__, "adopt"])
 
 __version__ = "0.1.0"
 

@@ -9,6 +9,9 @@ that moves one fails loudly in CI instead of in a user's training run.
 import contextlib
 import functools
 
+import numpy as np
+from keras import ops
+
 # Checked against keras 3.10 - 3.15.
 from keras.src import dtype_policies as dtype_policies_module
 from keras.src.backend.common import global_state
@@ -25,6 +28,7 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 __all__ = [
     "AutocastScope",
+    "FLOAT8_VARIABLE_NAMES",
     "Functional",
     "KerasSaveable",
     "NON_STATE_SLOT_NAMES",
@@ -34,6 +38,8 @@ __all__ = [
     "add_weight_to_built_layer",
     "all_layers",
     "called_by_keras_saving",
+    "float8_amax_histories",
+    "float8_source_policy_name",
     "get_autocast_scope",
     "in_stateless_scope",
     "install_call_hook",
@@ -46,7 +52,9 @@ __all__ = [
     "no_automatic_dependency_tracking",
     "own_variables",
     "producing_operation",
+    "remove_float8_variables",
     "replace_layer_policy",
+    "retrack_torch_parameters",
     "set_keras_thread_policy",
     "stored_dtype",
     "torch_builtin_update_state",
@@ -391,6 +399,78 @@ def untrack_variable(layer, variable):
     torch module of the layer on PyTorch.
     """
     layer._untrack_variable(variable)
+
+
+# The variables `quantize("float8")` gives a Dense or an EinsumDense
+# (`_float8_build`, keras 3.15): per tensor (the inputs, the kernel, the
+# output gradient) a scale and an amax history, trainable, which Keras's
+# optimizer overwrites with their "gradients".
+FLOAT8_VARIABLE_NAMES = (
+    "inputs_scale",
+    "inputs_amax_history",
+    "kernel_scale",
+    "kernel_amax_history",
+    "outputs_grad_scale",
+    "outputs_grad_amax_history",
+)
+
+
+def float8_source_policy_name(layer):
+    """The name of the policy a float8 layer was quantized from.
+
+    `QuantizedFloat8DTypePolicy` (keras 3.15) is named
+    `"float8_from_<source>"` and keeps the source's name under
+    `"source_name"` in its config, e.g. `"float32"` or `"mixed_bfloat16"`.
+    """
+    return layer.dtype_policy.get_config()["source_name"]
+
+
+def float8_amax_histories(layer):
+    """The amax histories of a float8 layer, newest first.
+
+    Returns float32 NumPy `(3, H)`: rows the inputs, the kernel and the
+    output gradient. Keras's history is a ring:
+    `keras.quantizers.compute_float8_amax_history` (keras 3.15) rolls it by
+    -1 and writes the new amax at index 0, so index 0 holds the newest
+    amax, index H - 1 the one before it, and so on down to index 1, the
+    oldest.
+    """
+    names = FLOAT8_VARIABLE_NAMES[1::2]
+    rows = [ops.convert_to_numpy(getattr(layer, name)) for name in names]
+    return np.stack([np.roll(row[::-1], 1) for row in rows]).astype("float32")
+
+
+def remove_float8_variables(layer):
+    """Deletes a float8 layer's `FLOAT8_VARIABLE_NAMES` variables.
+
+    What `Layer.__delattr__` does to a variable (keras 3.15), as
+    `Dense.quantize` deletes its float kernel: untrack it (on PyTorch also
+    unregister it), then delete the attribute through the next class of
+    the layer (TensorFlow's tracking drops its checkpoint dependency).
+    Without its `gc.collect()` per variable, which takes a large part of a
+    second in a process that has imported TensorFlow.
+    """
+    import keras
+
+    for name in FLOAT8_VARIABLE_NAMES:
+        untrack_variable(layer, getattr(layer, name))
+        super(keras.layers.Layer, layer).__delattr__(name)
+
+
+def retrack_torch_parameters(model):
+    """On PyTorch, remakes the torch parameters of `model` and each layer
+    in it from their variables, as `Model.quantize` does once it has
+    replaced variables (`_post_quantize`, keras 3.15: `_track_variables`
+    on every layer). A layer's torch parameters are a snapshot of its own
+    and its sublayers' variables: untracking a variable updates only its
+    own layer's. Nothing on other backends.
+    """
+    import keras
+
+    if keras.backend.backend() != "torch":
+        return
+    for layer in all_layers(model):
+        layer._track_variables()
 
 
 def replace_layer_policy(layer, policy):
