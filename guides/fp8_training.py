@@ -343,6 +343,42 @@ def lora_finetune(model, train_data, eval_data, steps):
     return float(before), float(after), unchanged
 
 
+# ## 6. Freezing for inference
+#
+# `keras_mp.fp8.freeze(model)` makes a trained FP8 model an inference model:
+# each FP8 layer's kernel (with its LoRA update merged in) is stored as
+# E4M3 codes, one byte a value, and a power-of-two scale; its input scale
+# is fixed: from the statistics of the last training step for the layers
+# that counted them (the LoRA-tuned feed-forward block), from the delayed
+# history with delayed scaling, and from `calibration_data` for the others
+# (the attention projections, frozen during the fine-tuning).
+# The float32 kernels are gone: the model predicts, saves and reloads, but
+# no longer trains.
+
+
+def freeze_demo(model, calibration_data):
+    """Freezes `model`; returns its FP8 layers' kernel bytes in bfloat16
+    before, and as FP8 codes after (read from the variables)."""
+    fp8_layers = {
+        row["layer"].split("/")[-1]
+        for row in keras_mp.explain_precision(model, print_fn=None)
+        if "/" in row.get("fp8", "")
+    }
+    before = sum(
+        int(np.prod(weight.shape)) * 2
+        for weight in model.weights
+        if weight.path.endswith("/kernel")
+        and weight.path.split("/")[-2] in fp8_layers
+    )
+    keras_mp.fp8.freeze(model, calibration_data=calibration_data)
+    after = sum(
+        keras.ops.convert_to_numpy(weight).nbytes
+        for weight in model.weights
+        if weight.path.endswith("fp8_kernel_codes")
+    )
+    return before, after
+
+
 def main(argv=None):
     args = parse_args(argv)
     # On a CPU the hardware check warns that bfloat16 is emulated.
@@ -395,6 +431,25 @@ def main(argv=None):
     )
     print(f"eval loss on the new chain: {before:.4f} -> {after:.4f}")
     print(f"frozen FP8 kernels bit-identical: {unchanged}")
+
+    print("\n## 6. Freezing the fine-tuned model for inference")
+    eval_tokens = make_tokens(other, 512, seed=4)[0]
+    trained = keras.ops.convert_to_numpy(
+        counted.predict(eval_tokens, verbose=0)
+    )
+    before_bytes, after_bytes = freeze_demo(counted, eval_tokens[:256])
+    frozen = keras.ops.convert_to_numpy(counted.predict(eval_tokens, verbose=0))
+    difference = np.abs(
+        frozen.astype("float32") - trained.astype("float32")
+    ).max()
+    print(
+        f"FP8 kernel bytes: {before_bytes} (bfloat16) -> {after_bytes} (codes)"
+    )
+    largest = np.abs(trained.astype("float32")).max()
+    print(
+        "largest logit difference, frozen - trained: "
+        f"{difference / largest:.2%} of the largest logit"
+    )
 
 
 if __name__ == "__main__":

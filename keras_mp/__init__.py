@@ -12,6 +12,7 @@ from keras_mp import _supported_backends  # noqa: F401, I001
 from keras_mp import callbacks
 from keras_mp import fp8
 from keras_mp import fp8_adopt
+from keras_mp import fp8_freeze
 from keras_mp import losses
 from keras_mp import models
 from keras_mp import optimizers
@@ -33,18 +34,14 @@ from keras_mp.policy import policy_scope
 from keras_mp.policy import set_global_policy
 from keras_mp.recommend import PolicyRecommendation
 from keras_mp.recommend import recommend_policy
-from keras_mp import fp8_freeze as _fp8_freeze
 
-# `fp8.freeze` works on Keras layers (floor 4, `fp8_freeze.py`), above the
-# `fp8` subpackage's floor: it joins the subpackage's names here.
-fp8.freeze = _fp8_freeze.freeze
-fp8.__all__ = sorted([*fp8.__all__, "freeze"])
-
-# `keras_mp.fp8.adopt` turns Keras's float8 layers into keras_mp's FP8
-# layers (`fp8_adopt.py`, floor 4), which `keras_mp.fp8` (floor 3) must not
-# import: the face puts it in place.
+# `keras_mp.fp8.adopt` (Keras's float8 layers taken over) and `freeze` (an
+# inference model) work on Keras layers (`fp8_adopt.py`, `fp8_freeze.py`,
+# floor 4), which `keras_mp.fp8` (floor 3) must not import: the face puts
+# them in place.
 fp8.adopt = fp8_adopt.adopt
-fp8.__all__ = sorted([*fp8.__all__, "adopt"])
+fp8.freeze = fp8_freeze.freeze
+fp8.__all__ = sorted([*fp8.__all__, "adopt", "freeze"])
 
 __version__ = "0.1.0"
 

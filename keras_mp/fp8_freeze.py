@@ -167,7 +167,8 @@ def freeze(model, calibration_data=None):
     missing = [layer for layer, scale in scales.items() if scale is None]
     if missing and calibration_data is None:
         raise ValueError(
-            "These FP8 layers ran current scaling without statistics, so "
+            "These FP8 layers ran current scaling without statistics of "
+            "their own (a frozen, trainable=False, layer counts none), so "
             "their training left no input scale to freeze: "
             f"{[layer.name for layer in missing]}. Received: "
             "calibration_data=None. Pass `calibration_data=x` (inputs of "
