@@ -7,6 +7,7 @@ import itertools
 
 import keras
 import numpy as np
+import pytest
 
 import keras_mp
 from keras_mp import fp8
@@ -379,6 +380,29 @@ def test_a_delayed_checkpoint_loads_without_delayed_state_with_one_warning(
             to_numpy(plain.get_layer(f"dense_{i}").kernel),
             to_numpy(model.get_layer(f"dense_{i}").kernel),
         )
+    # And into the same model without FP8 (Keras's float8 checkpoint
+    # cannot load there: K6).
+    keras.utils.set_random_seed(16)
+    inputs = keras.Input((FEATURES,))
+    plain = keras.Model(
+        inputs,
+        keras.layers.Concatenate()(
+            [
+                keras.layers.Dense(UNITS, use_bias=False, name=f"dense_{i}")(
+                    inputs
+                )
+                for i in range(2)
+            ]
+        ),
+    )
+    caught = _load_warnings(plain, path)
+    assert len(caught) == 1 and "ignored the file's state" in caught[0]
+    assert len(plain.weights) == 2
+    for i in range(2):
+        np.testing.assert_array_equal(
+            to_numpy(plain.get_layer(f"dense_{i}").kernel),
+            to_numpy(model.get_layer(f"dense_{i}").kernel),
+        )
     # The same checkpoint into the same recipes loads silently.
     same = _parallel_model([recipe, recipe], seed=9)
     assert _load_warnings(same, path) == []
@@ -421,3 +445,69 @@ def test_a_frozen_delayed_layer_runs_current_scaling():
         outputs.append(to_numpy(model.predict_on_batch(x)))
     np.testing.assert_array_equal(outputs[0], outputs[1])
     assert np.count_nonzero(outputs[0]) == outputs[0].size
+
+
+_RESUME = """
+import os
+import sys
+
+import keras
+import numpy as np
+
+import keras_mp
+from keras_mp import fp8
+
+sys.path.insert(0, os.path.join(os.path.dirname(keras_mp.__path__[0]), "tests"))
+from fp8_delayed_test import _linear_loss, _parallel_model, _step_data
+
+recipe = fp8.Recipe(scaling="delayed", amax_history=4)
+rng = np.random.default_rng(8)
+batches = [_step_data(i, 1, rng) for i in range(20)]
+path = sys.argv[1]
+if sys.argv[2] == "first":
+    model = _parallel_model([recipe], compute="bfloat16", seed=5)
+    model.compile(keras.optimizers.Adam(1e-3), loss=_linear_loss)
+    for x, c in batches[:10]:
+        model.train_on_batch(x, c)
+    model.save(path)
+else:
+    model = keras.models.load_model(
+        path, custom_objects={"_linear_loss": _linear_loss}
+    )
+    for x, c in batches[10:]:
+        model.train_on_batch(x, c)
+    np.savez(
+        path + ".npz",
+        *[keras.ops.convert_to_numpy(v) for v in model.weights],
+        *[keras.ops.convert_to_numpy(v) for v in model.optimizer.variables],
+    )
+"""
+
+
+@pytest.mark.slow
+def test_resume_in_a_fresh_process_equals_uninterrupted_training(tmp_path):
+    """10 steps, `model.save`, `load_model` in a fresh process, 10 steps:
+    weights, optimizer slots and FP8 state as 20 steps in one go."""
+    recipe = fp8.Recipe(scaling="delayed", amax_history=4)
+    rng = np.random.default_rng(8)
+    batches = [_step_data(i, 1, rng) for i in range(20)]
+    straight = _parallel_model([recipe], compute="bfloat16", seed=5)
+    straight.compile(keras.optimizers.Adam(1e-3), loss=_linear_loss)
+    for x, c in batches:
+        straight.train_on_batch(x, c)
+    path = str(tmp_path / "half.keras")
+    script = tmp_path / "resume.py"
+    script.write_text(_RESUME)
+    for part in ("first", "second"):
+        keras_mp.testing.run_script(str(script), path, part)
+    saved = np.load(path + ".npz")
+    expected = [
+        *[to_numpy(v) for v in straight.weights],
+        *[to_numpy(v) for v in straight.optimizer.variables],
+    ]
+    assert len(saved.files) == len(expected)
+    for i, want in enumerate(expected):
+        got = saved[f"arr_{i}"]  # bfloat16 comes back as 2-byte voids
+        assert got.shape == want.shape
+        assert got.tobytes() == want.tobytes(), i
+    assert any("fp8_amax_history" in w.path for w in straight.weights)
