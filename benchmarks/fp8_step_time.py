@@ -51,6 +51,7 @@ RECIPES = {
     "fp8_current_tensorwise": dict(granularity="tensorwise"),
     "fp8_current_rowwise": dict(granularity="rowwise"),
     "fp8_current_block": dict(granularity="block"),
+    "fp8_delayed_tensorwise": dict(scaling="delayed"),
 }
 VARIANTS = ("mixed_bfloat16", "keras_float8", *RECIPES)
 

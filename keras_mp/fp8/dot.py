@@ -35,13 +35,26 @@ def _operand(x, fmt, axes, margin, scale=None):
     return quantize_reduced(x, fmt, axes, margin, scale=scale, operand=True)
 
 
-def _delayed_scale(scaling, index, t, fmt, margin):
+def _delayed_scale(scaling, index, t, fmt, margin, rows):
     """The scale of tensor `index` of a delayed call (`delayed.pick`), or
-    None for current scaling."""
+    None for current scaling. Its amax is kept in `rows` for `_observe`."""
     if scaling is None:
         return None
-    current = scale_from_amax(fp8_backend.amax(t, None), fmt, margin)
+    amax = fp8_backend.amax(t, None)
+    rows.amaxes[index] = amax
+    current = scale_from_amax(amax, fmt, margin)
     return delayed_module.pick(scaling, index, current)
+
+
+class _Rows(dict):
+    """The statistics rows of one call, by tensor; `counts`: whether they
+    count flushed and saturated values (statistics asked for), or hold
+    the amax alone (delayed scaling's); `amaxes`: amaxes already known."""
+
+    def __init__(self, counts=True):
+        super().__init__()
+        self.counts = counts
+        self.amaxes = {}
 
 
 class _Dtypes(collections.namedtuple("_Dtypes", "out dx dw")):
@@ -51,17 +64,20 @@ class _Dtypes(collections.namedtuple("_Dtypes", "out dx dw")):
 
 def _observe(rows, name, x, scale, fmt):
     """Records the statistics row of one quantization, when `rows` (a
-    dict) asks for them; nothing at all when it is None."""
+    `_Rows`) asks for them; nothing at all when it is None."""
     if rows is not None:
-        rows[name] = stats_module.tensor_row(x, scale, fmt)
+        index = stats_module.TENSORS.index(name)
+        rows[name] = stats_module.tensor_row(
+            x, scale, fmt, rows.counts, rows.amaxes.get(index)
+        )
 
 
 def _tensorwise(x, w, recipe, rows, dtypes, scaling=None):
     """One scale per tensor; the forward codes serve the backward GEMMs.
     With a delayed `scaling`, the scales are its own."""
     forward, backward, margin = _formats(recipe)
-    sx = _delayed_scale(scaling, 0, x, forward, margin)
-    sw = _delayed_scale(scaling, 1, w, forward, margin)
+    sx = _delayed_scale(scaling, 0, x, forward, margin, rows)
+    sw = _delayed_scale(scaling, 1, w, forward, margin, rows)
     cx, sx = _operand(x, forward, None, margin, sx)
     cw, sw = _operand(w, forward, None, margin, sw)
     _observe(rows, "input", x, sx, forward)
@@ -69,7 +85,7 @@ def _tensorwise(x, w, recipe, rows, dtypes, scaling=None):
     out = fp8_backend.einsum_float32("mk,kn->mn", cx, cw, dtypes.out) * sx * sw
 
     def gradients(g):
-        sg = _delayed_scale(scaling, 2, g, backward, margin)
+        sg = _delayed_scale(scaling, 2, g, backward, margin, rows)
         cg, sg = _operand(g, backward, None, margin, sg)
         _observe(rows, "output_gradient", g, sg, backward)
         dx = (
@@ -334,13 +350,13 @@ def dot(x, kernel, recipe=None, output_dtype=None, stats=None, delayed=None):
         return fp8_dot(x, kernel)
 
     if delayed is not None:
-        return _delayed_dot(x, kernel, stats, delayed, forward)
+        return _delayed_dot(x, kernel, stats, delayed, forward, recipe)
 
     stats = _check_stats(fp8_backend.read_tensor(stats))
 
     @ops.custom_gradient
     def fp8_dot_with_stats(x, kernel, stats):
-        rows = {}
+        rows = _Rows()
         out, backward = forward(x, kernel, rows)
 
         def grad(*args, upstream=None):
@@ -362,7 +378,7 @@ def _across_replicas(carrier_gradient):
     return backend_gradients.all_reduce_max([carrier_gradient])[0]
 
 
-def _delayed_dot(x, kernel, carrier, scaling, forward):
+def _delayed_dot(x, kernel, carrier, scaling, forward, recipe):
     carrier = _check_stats(
         fp8_backend.read_tensor(carrier), delayed_module.CARRIER_SHAPE
     )
@@ -370,7 +386,7 @@ def _delayed_dot(x, kernel, carrier, scaling, forward):
 
     @ops.custom_gradient
     def fp8_dot_delayed(x, kernel, carrier, packed):
-        rows = {}
+        rows = _Rows(counts=recipe.stats)
         scaling = delayed_module.unpack(packed)
         out, backward = forward(x, kernel, rows, scaling)
 

@@ -65,7 +65,7 @@ def amax_bin(amax):
     return ops.right_shift(bits, 23) * 2 + above
 
 
-def tensor_row(x, scale, fmt):
+def tensor_row(x, scale, fmt, counts=True, amax=None):
     """The statistics row of float32 `x` quantized with `scale`.
 
     A value is flushed where it is non-zero and `|x / scale|` is at most
@@ -78,15 +78,24 @@ def tensor_row(x, scale, fmt):
         x: The float32 tensor that was quantized.
         scale: Each value's scale, broadcastable to `x`.
         fmt: `"e4m3"` or `"e5m2"`.
+        counts: Whether to count the flushed and saturated values (else
+            0). Defaults to `True`.
+        amax: `x`'s amax, where already known. Defaults to `None`.
 
     Returns:
         A float32 tensor of shape `(STATS_WIDTH,)`.
     """
     fmax = FORMATS[fmt][1]
-    amax = backend_fp8.amax(x, None)
+    if amax is None:
+        amax = backend_fp8.amax(x, None)
     histogram = ops.one_hot(
         ops.reshape(amax_bin(amax), ()), HISTOGRAM_BINS, dtype="float32"
     )
+    if not counts:
+        # Delayed scaling needs the amax alone: no pass over `x` for the
+        # flushed and saturated counts (left 0).
+        size = ops.reshape(ops.cast(ops.size(x), "float32"), (1,))
+        return ops.concatenate([histogram, size, ops.zeros((2,), "float32")])
     y = x / scale
     flushed = ops.logical_and(
         ops.not_equal(x, 0.0), ops.abs(y) <= _HALF_SMALLEST_SUBNORMAL[fmt]
