@@ -118,6 +118,8 @@ def describe(layer, policy):
     recipe = policy.fp8 if isinstance(policy, Policy) else None
     if recipe is not None:
         text = f"{recipe.scaling}/{recipe.granularity}/{recipe.formats}"
+        if recipe.scaling == "delayed":
+            text += f" history={recipe.amax_history} {recipe.amax_algo}"
         if recipe.margin:
             text += f" margin={recipe.margin}"
         return text + (" +stats" if recipe.stats else "")

@@ -127,8 +127,8 @@ def test_adopt_keeps_kerass_histories_newest_first_as_bins_with_te_scales():
         assert_bitwise_equal(state["fp8_scale"], np.array(scales))
     assert _fp8_column(model) == {
         "sequential": "no GEMM",
-        "d": "delayed/tensorwise/hybrid",
-        "e": "delayed/tensorwise/hybrid",
+        "d": "delayed/tensorwise/hybrid history=1024 max",
+        "e": "delayed/tensorwise/hybrid history=1024 max",
     }
 
 

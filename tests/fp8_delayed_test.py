@@ -511,3 +511,45 @@ def test_resume_in_a_fresh_process_equals_uninterrupted_training(tmp_path):
         assert got.shape == want.shape
         assert got.tobytes() == want.tobytes(), i
     assert any("fp8_amax_history" in w.path for w in straight.weights)
+
+
+def test_explain_precision_shows_the_history():
+    model = _parallel_model(
+        [
+            fp8.Recipe(
+                scaling="delayed", amax_history=16, amax_algo="most_recent"
+            )
+        ]
+    )
+    rows = keras_mp.explain_precision(model, print_fn=None)
+    row = next(r for r in rows if r["layer"].endswith("dense_0"))
+    assert row["fp8"] == "delayed/tensorwise/hybrid history=16 most_recent"
+
+
+def test_under_keras_loss_scale_optimizer_the_history_stays_loss_scaled():
+    """Keras's own LossScaleOptimizer divides every gradient by its scale
+    (the carrier's too, which keeps its bins) and writes no loss scale
+    into the carrier: the output gradient's history is in loss-scaled
+    units, as Keras's float8 keeps it, and the GEMMs stay consistent."""
+    recipe = fp8.Recipe(scaling="delayed", amax_history=8)
+    rng = np.random.default_rng(17)
+    x = rng.normal(size=(BATCH, FEATURES)).astype(np.float32)
+    c = rng.normal(size=(BATCH, UNITS)).astype(np.float32)
+    histories = []
+    for optimizer in (
+        keras_mp.LossScaleOptimizer(
+            keras.optimizers.SGD(0.0), loss_scale=keras_mp.FixedLossScale(1)
+        ),
+        keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.0), initial_scale=2.0**10
+        ),
+    ):
+        model = _parallel_model([recipe], compute="float16", seed=18)
+        model.compile(optimizer, loss=_linear_loss)
+        _fit_steps(model, x, c, 3)
+        layer = model.get_layer("dense_0")
+        histories.append(_state(layer)["fp8_amax_history"])
+        assert _carrier(layer)[0, delayed.LOSS_SCALE] in (0.0, 1.0)
+    free, scaled = histories
+    np.testing.assert_array_equal(scaled[:2], free[:2])
+    np.testing.assert_array_equal(scaled[2], free[2] * 2.0**10)
