@@ -1115,3 +1115,35 @@ def test_torch_gloo_processes_skip_together_and_end_with_identical_weights(
             _group(arrays_0, key),
             f"processes differ: {key}",
         )
+
+
+_TF_FIT_IN_SCOPE = """
+import tensorflow as tf
+
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+)
+import keras
+import numpy as np
+
+import keras_mp
+
+x = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
+with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+    keras_mp.set_global_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    history = model.fit(x, x[:, :4], batch_size=16, epochs=2, verbose=0)
+print("RESULT", history.history["loss_scale"], history.history["skipped_steps"])
+"""
+
+
+@pytest.mark.backends("tensorflow")
+@pytest.mark.slow
+def test_fit_inside_the_strategy_scope_logs_the_loss_scale():
+    # The loss-scale logger reads the optimizer's variables between steps;
+    # a MirroredVariable read inside the scope once raised there.
+    out = run_python(_TF_FIT_IN_SCOPE, env={"KERAS_BACKEND": "tensorflow"})
+    line = [row for row in out.splitlines() if row.startswith("RESULT")][-1]
+    assert line == "RESULT [32768.0, 32768.0] [0, 0]", line

@@ -39,9 +39,11 @@ def latest_values(model, variables):
         positions = {id(v): i for i, v in enumerate(model.optimizer.variables)}
     # Only variables outside the carried state are read directly: during an
     # epoch the JAX trainer may have dropped the values of the others.
+    # A variable itself, not `v.value`: inside a tf.distribute strategy's
+    # scope a MirroredVariable's NumPy conversion fails ("object __array__
+    # method not producing an array", TensorFlow 2.21), Keras's does not.
     values = [
-        state[positions[id(v)]] if id(v) in positions else v.value
-        for v in variables
+        state[positions[id(v)]] if id(v) in positions else v for v in variables
     ]
     return [np.asarray(ops.convert_to_numpy(value)) for value in values]
 
