@@ -1,9 +1,9 @@
 """FP8 GEMMs in Keras's `Dense` and `EinsumDense`, and the default FP8 rules
 applied to each layer.
 
-Imports from keras_mp only `_keras_internals`, `fp8`, `policy`; nothing
-above its floor (see ARCHITECTURE.md). `precision.py` calls `decide` when
-it applies precision rules.
+Imports from keras_mp only `_keras_internals`, `backend`, `fp8`,
+`policy`; nothing above its floor (see ARCHITECTURE.md). `precision.py`
+calls `decide` when it applies precision rules.
 
 A `Dense` or `EinsumDense` whose policy (its own, or its entry in a
 `DTypePolicyMap`) is a `keras_mp.Policy` with an `fp8` recipe computes its
@@ -46,6 +46,7 @@ import numpy as np
 from keras_mp import _keras_internals
 from keras_mp import fp8
 from keras_mp import policy as policy_module
+from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.fp8 import delayed as delayed_module
 from keras_mp.fp8 import rules as rules_module
 from keras_mp.fp8 import stats as stats_module
@@ -204,6 +205,9 @@ def sync_stats_carrier(layer):
         _add_delayed_state(layer, history)
 
 
+# The attributes that mark a layer's delayed-scaling and frozen variables.
+_DELAYED_TAG = "_keras_mp_fp8_state"
+_STATIC_TAG = "_keras_mp_fp8_static"
 _STATE_SHAPES = {
     "fp8_amax_history": lambda h: (len(stats_module.TENSORS), h),
     "fp8_steps": lambda h: (),
@@ -211,20 +215,45 @@ _STATE_SHAPES = {
 }
 
 
-def _add_delayed_state(layer, history):
-    for name, shape in _STATE_SHAPES.items():
+def _add_tagged_state(layer, tag, specs, **kwargs):
+    """Adds non-trainable variables `{name: (shape, dtype, initializer)}`
+    to a built layer, each tagged with its name under attribute `tag`
+    (`_tagged_state` finds them again)."""
+    for name, (shape, dtype, initializer) in specs.items():
         variable = _keras_internals.add_weight_to_built_layer(
             layer,
             name=name,
-            shape=shape(history),
-            initializer="zeros",
-            dtype="int32" if name == "fp8_steps" else "float32",
+            shape=shape,
+            initializer=initializer,
+            dtype=dtype,
             trainable=False,
             autocast=False,
-            # Every replica folds the same carrier into the same state.
-            aggregation="only_first_replica",
+            **kwargs,
         )
-        variable._keras_mp_fp8_state = name
+        setattr(variable, tag, name)
+
+
+def _tagged_state(layer, tag):
+    """`{name: variable}` of `layer`'s own variables tagged under `tag`."""
+    own = _keras_internals.own_variables(layer)
+    return {
+        getattr(v, tag): v for v in own if getattr(v, tag, None) is not None
+    }
+
+
+def _add_delayed_state(layer, history):
+    specs = {
+        name: (
+            shape(history),
+            "int32" if name == "fp8_steps" else "float32",
+            "zeros",
+        )
+        for name, shape in _STATE_SHAPES.items()
+    }
+    # Every replica folds the same carrier into the same state.
+    _add_tagged_state(
+        layer, _DELAYED_TAG, specs, aggregation="only_first_replica"
+    )
 
 
 def _make_static(layer):
@@ -237,31 +266,17 @@ def _make_static(layer):
     shape = tuple(layer._kernel.shape)
     _keras_internals.untrack_variable(layer, layer._kernel)
     layer._kernel = None
-    for name, (variable_shape, dtype) in {
-        "fp8_kernel_codes": (shape, "uint8"),
-        "fp8_kernel_scale": ((), "float32"),
-        "fp8_input_scale": ((), "float32"),
-    }.items():
-        variable = _keras_internals.add_weight_to_built_layer(
-            layer,
-            name=name,
-            shape=variable_shape,
-            initializer="zeros" if dtype == "uint8" else "ones",
-            dtype=dtype,
-            trainable=False,
-            autocast=False,
-        )
-        variable._keras_mp_fp8_static = name
+    specs = {
+        "fp8_kernel_codes": (shape, "uint8", "zeros"),
+        "fp8_kernel_scale": ((), "float32", "ones"),
+        "fp8_input_scale": ((), "float32", "ones"),
+    }
+    _add_tagged_state(layer, _STATIC_TAG, specs)
 
 
 def static_state(layer):
     """`{name: variable}` of a frozen layer's codes and scales, or `{}`."""
-    own = _keras_internals.own_variables(layer)
-    return {
-        v._keras_mp_fp8_static: v
-        for v in own
-        if getattr(v, "_keras_mp_fp8_static", None) is not None
-    }
+    return _tagged_state(layer, _STATIC_TAG)
 
 
 # The float32 value of each E4M3 code, by its bit pattern.
@@ -312,18 +327,13 @@ def _calibrate(layer, inputs):
     """Records the amax of a call's inputs while `fp8.freeze` calibrates."""
     amaxes = getattr(layer, "_keras_mp_fp8_calibration", None)
     if amaxes is not None:
-        value = keras.ops.max(keras.ops.abs(keras.ops.cast(inputs, "float32")))
-        amaxes.append(float(keras.ops.convert_to_numpy(value)))
+        value = backend_fp8.amax(keras.ops.cast(inputs, "float32"), None)
+        amaxes.append(float(keras.ops.convert_to_numpy(value).max()))
 
 
 def delayed_state(layer):
     """`{name: variable}` of `layer`'s delayed-scaling state, or `{}`."""
-    own = _keras_internals.own_variables(layer)
-    return {
-        v._keras_mp_fp8_state: v
-        for v in own
-        if getattr(v, "_keras_mp_fp8_state", None) is not None
-    }
+    return _tagged_state(layer, _DELAYED_TAG)
 
 
 def _call_recipe(layer):
