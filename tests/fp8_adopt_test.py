@@ -31,17 +31,6 @@ KERAS_NAMES = (
 KERAS_HISTORIES = KERAS_NAMES[1::2]
 
 
-def _bin_value(amax):
-    """NumPy, apart from the library: the float32 the history holds for
-    `amax`: its float32 exponent bits, and 1.875 where the mantissa is
-    above 1.75 (0 below the normal range)."""
-    bits = np.asarray(amax, np.float32).view(np.int32)
-    exponent = bits >> 23
-    above = (bits & 0x7FFFFF) > (3 << 21)
-    out = (exponent << 23) + np.where(above, 0x700000, 0)
-    return np.where(exponent == 0, 0, out.astype(np.int32)).view(np.float32)
-
-
 def _newest_first(ring):
     """Keras's ring as a list, apart from the library: Keras writes the
     newest amax at index 0 after rolling by -1, so the one before it sits
@@ -102,7 +91,7 @@ def test_adopt_keeps_kerass_histories_newest_first_as_bins_with_te_scales():
     keras_mp's delayed FP8."""
     model = _keras_float8_model(steps=4, dtype="mixed_bfloat16")
     expected = {
-        name: _bin_value(_keras_rows(model.get_layer(name)))
+        name: reference.history_value(_keras_rows(model.get_layer(name)))
         for name in ("d", "e")
     }
     adopted = fp8.adopt(model)
@@ -152,7 +141,7 @@ def test_a_ring_that_wrapped_keeps_its_newest_amaxes_in_order():
         return model
 
     amaxes = [np.abs(_data(step)[0]).max() for step in reversed(range(6))]
-    newest = _bin_value(np.array(amaxes, np.float32))
+    newest = reference.history_value(np.array(amaxes, np.float32))
     model = trained()
     fp8.adopt(model)
     history = _state(model.layers[0])["fp8_amax_history"]
@@ -176,9 +165,11 @@ def test_loss_scale_divides_only_the_output_gradient_history():
     rows = _keras_rows(layer)
     fp8.adopt(model, loss_scale=2**10)
     history = _state(layer)["fp8_amax_history"]
-    assert_bitwise_equal(history[:2], _bin_value(rows[:2]))
-    assert_bitwise_equal(history[2], _bin_value(rows[2] / np.float32(1024)))
-    assert not np.array_equal(history[2], _bin_value(rows[2]))
+    assert_bitwise_equal(history[:2], reference.history_value(rows[:2]))
+    assert_bitwise_equal(
+        history[2], reference.history_value(rows[2] / np.float32(1024))
+    )
+    assert not np.array_equal(history[2], reference.history_value(rows[2]))
 
 
 def test_a_layer_keras_never_trained_starts_with_current_scaling():
@@ -199,7 +190,7 @@ def test_a_layer_keras_never_trained_starts_with_current_scaling():
         assert np.isfinite(to_numpy(loss))
     state = _state(layer)
     assert state["fp8_steps"] == 1
-    first = _bin_value(np.abs(_data(0)[0]).max())
+    first = reference.history_value(np.abs(_data(0)[0]).max())
     assert_bitwise_equal(
         state["fp8_amax_history"][0, :2], np.array([first, 0.0], np.float32)
     )
@@ -212,7 +203,7 @@ def test_training_continues_after_compiling_again_and_the_state_advances():
     (steps 2), and the input row is the new amax then Keras's three."""
     model = _keras_float8_model(steps=3)
     layer = model.get_layer("d")
-    keras_history = _bin_value(_keras_rows(layer))
+    keras_history = reference.history_value(_keras_rows(layer))
     fp8.adopt(model)
     model.compile(keras.optimizers.SGD(0.01), loss="mse")
     kernel = to_numpy(layer.kernel).copy()
@@ -223,7 +214,7 @@ def test_training_continues_after_compiling_again_and_the_state_advances():
     state = _state(layer)
     assert state["fp8_steps"] == 2
     history = state["fp8_amax_history"]
-    new = _bin_value(np.abs(_data(3)[0]).max())
+    new = reference.history_value(np.abs(_data(3)[0]).max())
     assert_bitwise_equal(
         history[0, :4], np.array([new, *keras_history[0, :3]], np.float32)
     )

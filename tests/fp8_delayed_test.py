@@ -37,17 +37,6 @@ def _carrier(layer):
     return to_numpy(fp8.stats.layer_carrier(layer))
 
 
-def _bin_value(amax):
-    """NumPy: the float32 the history holds for `amax`, apart from the
-    library: float32 exponent bits, and 1.875 where the mantissa is above
-    1.75 (0 below the normal range)."""
-    bits = np.asarray(amax, np.float32).view(np.int32)
-    exponent = bits >> 23
-    above = (bits & 0x7FFFFF) > (3 << 21)
-    out = (exponent << 23) + np.where(above, 0x700000, 0)
-    return np.where(exponent == 0, 0, out.astype(np.int32)).view(np.float32)
-
-
 def _te_scales(history, recipe):
     """Transformer Engine's delayed-scaling formula with power-of-two
     scales: the amax of the window (`max`) or its newest entry."""
@@ -120,7 +109,7 @@ def test_fifty_steps_match_transformer_engines_formula_bit_for_bit():
                 state["fp8_amax_history"], histories[i], err_msg=str(recipe)
             )
             assert state["fp8_steps"] == step
-            amaxes = _bin_value(
+            amaxes = reference.history_value(
                 np.array(
                     [
                         np.abs(x).max(),
@@ -174,9 +163,11 @@ def test_a_layer_called_twice_records_the_max_not_the_sum():
     w = to_numpy(layer.kernel)
     hidden = x @ w  # only its bin matters
     history = _state(layer)["fp8_amax_history"]
-    expected_input = _bin_value(max(np.abs(x).max(), np.abs(hidden).max()))
+    expected_input = reference.history_value(
+        max(np.abs(x).max(), np.abs(hidden).max())
+    )
     assert history[0, 0] == expected_input
-    assert history[1, 0] == _bin_value(np.abs(w).max())
+    assert history[1, 0] == reference.history_value(np.abs(w).max())
     assert _state(layer)["fp8_steps"] == 1
 
 

@@ -150,6 +150,18 @@ def _lora_state(model):
     }
 
 
+def _assert_same_lora_model(got, model, x):
+    """`got` holds `model`'s W, A and B and predicts as it does, bit for
+    bit."""
+    expected = _lora_state(model)
+    for key, value in _lora_state(got).items():
+        np.testing.assert_array_equal(value, expected[key], err_msg=key)
+    np.testing.assert_array_equal(
+        to_numpy(got.predict(x, verbose=0)),
+        to_numpy(model.predict(x, verbose=0)),
+    )
+
+
 def test_weights_reload_into_a_fresh_lora_model_exactly(tmp_path):
     # Keras saves the kernel with A @ B merged into it (rounded to the
     # compute dtype); rounded again to FP8, a small update would be lost.
@@ -160,13 +172,7 @@ def test_weights_reload_into_a_fresh_lora_model_exactly(tmp_path):
     model.save_weights(path)
     fresh = _lora_model()
     fresh.load_weights(path)
-    expected = _lora_state(model)
-    for key, value in _lora_state(fresh).items():
-        np.testing.assert_array_equal(value, expected[key], err_msg=key)
-    np.testing.assert_array_equal(
-        to_numpy(fresh.predict(x, verbose=0)),
-        to_numpy(model.predict(x, verbose=0)),
-    )
+    _assert_same_lora_model(fresh, model, x)
     # A model without LoRA loads Keras's merged kernel, as it would from
     # Keras alone.
     plain = _lora_model(lora=False)
@@ -184,13 +190,7 @@ def test_a_saved_lora_model_reloads_and_predicts_the_same(tmp_path):
     model.save(path)
     reloaded = keras.saving.load_model(path)
     assert reloaded.get_layer("up").lora_enabled
-    expected = _lora_state(model)
-    for key, value in _lora_state(reloaded).items():
-        np.testing.assert_array_equal(value, expected[key], err_msg=key)
-    np.testing.assert_array_equal(
-        to_numpy(reloaded.predict(x, verbose=0)),
-        to_numpy(model.predict(x, verbose=0)),
-    )
+    _assert_same_lora_model(reloaded, model, x)
 
 
 def test_a_lora_layer_with_statistics_reloads_its_carrier(tmp_path):

@@ -386,17 +386,9 @@ def test_jax_processes_agree_on_overflow_counters_and_report(jax_ranks):
 # --------------------------------------------------------------------------
 # PyTorch: a gloo process group and DistributedDataParallel.
 
-_TORCH = """
-import contextlib
-
-import keras
-import torch
+# Every torch child joins the two-process gloo group first.
+_TORCH_GROUP = """
 import torch.distributed as dist
-from keras import ops
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel
-
-import keras_mp
 
 dist.init_process_group(
     "gloo",
@@ -404,6 +396,20 @@ dist.init_process_group(
     rank=RANK,
     world_size=2,
 )
+"""
+
+_TORCH = (
+    _TORCH_GROUP
+    + """
+import contextlib
+
+import keras
+import torch
+from keras import ops
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+import keras_mp
 
 
 def ddp_step(ddp_model, model, optimizer, rows, labels, micro_steps=1):
@@ -555,6 +561,18 @@ for labels in (poisoned, y):
 save("one_process_accumulation", state(model, optimizer))
 finish()
 """
+)
+
+
+def _torch_env(**extra):
+    """The environment of a pair of torch children: one OpenMP thread, a
+    fresh port for their gloo group."""
+    return {
+        "KERAS_BACKEND": "torch",
+        "OMP_NUM_THREADS": "1",
+        "KERAS_MP_TEST_INIT_METHOD": f"tcp://127.0.0.1:{_free_port()}",
+        **extra,
+    }
 
 
 @pytest.fixture(scope="module", params=["host", "device"])
@@ -564,12 +582,9 @@ def torch_ranks(request, tmp_path_factory):
     return _run_processes(
         _TORCH,
         str(tmp_path_factory.mktemp("torch")),
-        {
-            "KERAS_BACKEND": "torch",
-            "OMP_NUM_THREADS": "1",
-            "KERAS_MP_TEST_INIT_METHOD": f"tcp://127.0.0.1:{_free_port()}",
-            "KERAS_MP_TEST_SKIP_ON_DEVICE": str(int(request.param == "device")),
-        },
+        _torch_env(
+            KERAS_MP_TEST_SKIP_ON_DEVICE=str(int(request.param == "device"))
+        ),
     )
 
 
@@ -667,10 +682,11 @@ def test_ddp_float16_compression_hook_skips_together_within_tolerance(
 # amax bin becomes 1/2, still present, so both processes fold the global
 # batch's amax; the largest inputs are all in process 1's rows. The loss
 # is each process's mean, as in Keras's DDP guide.
-_TORCH_DELAYED = """
+_TORCH_DELAYED = (
+    _TORCH_GROUP
+    + """
 import keras
 import torch
-import torch.distributed as dist
 from keras import ops
 from torch.nn.parallel import DistributedDataParallel
 
@@ -678,12 +694,6 @@ import keras_mp
 from keras_mp import fp8
 from keras_mp import fp8_layers
 
-dist.init_process_group(
-    "gloo",
-    init_method=os.environ["KERAS_MP_TEST_INIT_METHOD"],
-    rank=RANK,
-    world_size=2,
-)
 data = np.random.RandomState(1).randn(32, 16).astype("float32")
 data[8:16] *= 100
 data[24:32] *= 100
@@ -726,6 +736,7 @@ model = fp8_model()
 save("one_delayed", train(model, model, lambda b: slice(16 * b, 16 * b + 16)))
 finish()
 """
+)
 
 
 @pytest.mark.backends("torch")
@@ -734,11 +745,7 @@ def test_ddp_processes_hold_one_processs_delayed_fp8_state(tmp_path):
     ranks = _run_processes(
         _TORCH_DELAYED,
         str(tmp_path),
-        {
-            "KERAS_BACKEND": "torch",
-            "OMP_NUM_THREADS": "1",
-            "KERAS_MP_TEST_INIT_METHOD": f"tcp://127.0.0.1:{_free_port()}",
-        },
+        _torch_env(),
     )
     _assert_processes_identical(ranks, "ddp_delayed")
     for _, arrays in ranks:

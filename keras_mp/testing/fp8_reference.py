@@ -33,6 +33,17 @@ def scale(amax, fmt, margin=0):
     return result.astype(np.float32)
 
 
+def history_value(amax):
+    """The float32 a delayed layer's history holds for `amax`: its float32
+    exponent bits, and a mantissa of 1.875 where `amax`'s is above 1.75
+    (0 below the normal range); `scale` gives it `amax`'s scale."""
+    bits = np.asarray(amax, np.float32).view(np.int32)
+    exponent = bits >> 23
+    above = (bits & 0x7FFFFF) > (3 << 21)
+    out = (exponent << 23) + np.where(above, 0x700000, 0)
+    return np.where(exponent == 0, 0, out.astype(np.int32)).view(np.float32)
+
+
 def encode(x, s, fmt):
     """Codes of `x / s` (s broadcast), finite overflow clipped first."""
     dtype, fmax = FORMATS[fmt]
