@@ -25,10 +25,15 @@ from keras_mp.fp8.quantize import scale_from_amax
 from keras_mp.policy import Policy
 
 
+def _scale(amax, margin):
+    """The E4M3 power-of-two scale of `amax`, as a NumPy float32."""
+    scale = scale_from_amax(np.float32(amax), "e4m3", margin)
+    return np.float32(keras.ops.convert_to_numpy(scale))
+
+
 def _input_scale(layer, recipe):
     """The input scale training left: the delayed history's, or that of
     the last step's statistics; None when neither is known."""
-    margin = recipe.margin
     state = fp8_layers.delayed_state(layer)
     if state and int(keras.ops.convert_to_numpy(state["fp8_steps"])) > 0:
         history = keras.ops.convert_to_numpy(state["fp8_amax_history"])
@@ -44,10 +49,7 @@ def _input_scale(layer, recipe):
     bins = np.flatnonzero(values[0, : stats_module.FINITE_BINS])
     if not values[0, stats_module.COUNT] or not len(bins):
         return None
-    amax = stats_module.bin_amax(bins[-1])
-    return float(
-        keras.ops.convert_to_numpy(scale_from_amax(amax, "e4m3", margin))
-    )
+    return _scale(stats_module.bin_amax(bins[-1]), recipe.margin)
 
 
 def _calibrated_scales(model, layers, calibration_data):
@@ -72,15 +74,7 @@ def _calibrated_scales(model, layers, calibration_data):
             "that run through the whole model."
         )
     return {
-        layer: float(
-            keras.ops.convert_to_numpy(
-                scale_from_amax(
-                    np.float32(amax),
-                    "e4m3",
-                    fp8_layers.layer_recipe(layer).margin,
-                )
-            )
-        )
+        layer: _scale(amax, fp8_layers.layer_recipe(layer).margin)
         for layer, amax in amaxes.items()
     }
 
@@ -180,11 +174,7 @@ def freeze(model, calibration_data=None):
     for layer in layers:
         recipe = fp8_layers.layer_recipe(layer)
         kernel = _merged_kernel(layer)
-        kernel_scale = np.float32(
-            keras.ops.convert_to_numpy(
-                scale_from_amax(np.max(np.abs(kernel)), "e4m3", recipe.margin)
-            )
-        )
+        kernel_scale = _scale(np.max(np.abs(kernel)), recipe.margin)
         # The codes `fp8.quantize` gives (clip, then round to nearest even),
         # as bit patterns: not every backend converts FP8 tensors to NumPy.
         codes = np.clip(kernel / kernel_scale, -448.0, 448.0)

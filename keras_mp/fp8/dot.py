@@ -391,7 +391,7 @@ def _delayed_dot(x, kernel, carrier, scaling, forward, recipe):
         out, backward = forward(x, kernel, rows, scaling)
 
         def grad(*args, upstream=None):
-            dx, dw = backward(args[:1], upstream)
+            dx, dw = backward(args, upstream)
             statistics = ops.stack([rows[t] for t in stats_module.TENSORS])
             carrier = delayed_module.carrier_gradient(statistics, scaling)
             return dx, dw, _across_replicas(carrier), ops.zeros_like(packed)
