@@ -155,6 +155,8 @@ class FixedLossScale(LossScale):
 
 
 _ON_MIN_SCALE = ("warn", "raise", "ignore")
+_FLOAT32_SMALLEST_NORMAL = 2.0**-126
+_FLOAT32_MAX = (2.0 - 2.0**-23) * 2.0**127
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -166,7 +168,10 @@ class DynamicLossScale(LossScale):
 
     On a step with a non-finite gradient the scale becomes
     `max(scale / multiplier, min_loss_scale)`, `num_good_steps` resets and
-    the step is skipped. After `increment_period` finite steps in a row the
+    the step is skipped. (The scale is a float32 value and is divided as
+    `scale * (1 / multiplier)`, the same float32 product eagerly and in a
+    compiled step; with a power-of-two multiplier that is the exact
+    quotient.) After `increment_period` finite steps in a row the
     counter resets and the scale is multiplied by `multiplier`, unless the
     result would be non-finite or above `max_loss_scale`, in which case it
     stays. With the default multiplier of 2, scales stay exact powers of two.
@@ -257,6 +262,21 @@ class DynamicLossScale(LossScale):
                 "`min_loss_scale` must be positive. Received: "
                 f"min_loss_scale={min_loss_scale!r}"
             )
+        if min_loss_scale < _FLOAT32_SMALLEST_NORMAL:
+            raise ValueError(
+                "`min_loss_scale` must be at least 2**-126 (about 1.18e-38), "
+                "float32's smallest normal number: the scale is a float32 "
+                "value, and below that it rounds to 0 or to a subnormal that "
+                "XLA flushes to 0, and a zero scale zeroes every gradient. "
+                f"Received: min_loss_scale={min_loss_scale!r}"
+            )
+        if initial_loss_scale > _FLOAT32_MAX:
+            raise ValueError(
+                "`initial_loss_scale` must be at most float32's largest "
+                "value (about 3.4e38): the scale is a float32 value, and "
+                "above that it is inf. Received: "
+                f"initial_loss_scale={initial_loss_scale!r}"
+            )
         if initial_loss_scale < min_loss_scale:
             raise ValueError(
                 "`initial_loss_scale` must be at least `min_loss_scale`. "
@@ -344,7 +364,13 @@ class DynamicLossScale(LossScale):
             ops.logical_and(grow, can_grow), grown, scale
         )
         good_if_finite = ops.where(grow, ops.zeros_like(good_steps), good_steps)
-        scale_if_not = ops.maximum(scale / self.multiplier, self.min_loss_scale)
+        # A product, not `scale / multiplier`: XLA turns a division by a
+        # constant into this product inside a compiled step, so dividing
+        # would give a different float32 (by one ulp, for a multiplier
+        # that is not a power of two) eagerly and compiled.
+        scale_if_not = ops.maximum(
+            scale * (1.0 / self.multiplier), self.min_loss_scale
+        )
         if self._overflows_in_a_row is not None:
             overflows = (
                 ops.convert_to_tensor(self._overflows_in_a_row.value, "int32")
