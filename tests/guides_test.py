@@ -102,7 +102,7 @@ def test_debugging_overflows_guide_names_the_overflowing_layer(tmp_path):
 @pytest.mark.slow
 def test_fp8_guide_tracks_bfloat16_within_a_hundredth_of_a_nat(tmp_path):
     # Quick mode trains each run 20 steps; the full guide's 300 steps give
-    # gaps below 0.001 nats (README).
+    # gaps below 0.001 nats (guides/docs/fp8.md).
     plot = tmp_path / "fp8_loss.png"
     output = _run(ROOT / "guides" / "fp8_training.py", "--plot", str(plot))
     assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

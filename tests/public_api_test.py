@@ -187,13 +187,16 @@ def test_readme_ci_pyproject_and_docstring_name_the_same_backends():
     readme = (root / "README.md").read_text()
     ci = (root / ".ci" / "run").read_text()
     pyproject = (root / "pyproject.toml").read_text()
+    start_page = (root / "guides" / "docs" / "index.md").read_text()
     command = next(line for line in ci.splitlines() if "for backend in" in line)
     assert command in readme
+    assert command in start_page  # the site's install section
     loop = " ".join(_supported_backends.SUPPORTED_BACKENDS)
     assert f"for backend in {loop};" in command
     for extra in _supported_backends.SUPPORTED_BACKENDS:
         assert re.search(rf"^{extra} = \[", pyproject, re.MULTILINE), extra
     described = "the TensorFlow, JAX and PyTorch backends"
     assert described in " ".join(readme.split())
+    assert described in " ".join(start_page.split())
     assert described in " ".join(pyproject.split())
     assert described in " ".join(keras_mp.__doc__.split())
