@@ -46,6 +46,7 @@ __all__ = [
     "install_functional_init_hook",
     "install_global_policy_lookup",
     "install_global_policy_setter",
+    "install_model_serialization",
     "install_policy_deserialization",
     "install_policy_serialization",
     "keras_thread_policy",
@@ -348,6 +349,65 @@ def install_functional_init_hook(callback):
 
     __init__._keras_mp_hook = True
     Functional.__init__ = __init__
+
+
+def install_model_serialization(key, record, restore, context):
+    """Lets keras_mp add what it decided to a serialized object, and apply
+    it when the object is rebuilt.
+
+    `serialize_keras_object` (keras 3.0 - 3.15) puts an object's
+    `build_config` and `compile_config` beside its `config` through
+    `serialization_lib.get_build_and_compile_config`; the hook here also
+    puts `record(obj)` there under `key`, unless it is None. Keras ignores
+    a key it does not know, so a file written so still loads without
+    keras_mp. `deserialize_keras_object` (the function in
+    `serialization_lib`, the name `saving_lib` imported, and the names
+    `keras.saving` and `keras.utils` export) is wrapped to call
+    `restore(instance, value)` on the object it rebuilt from such a dict,
+    before `load_model` loads its weights.
+
+    Args:
+        key: The key of the record in the serialized dict.
+        record: Callable `obj -> JSON-able value or None`.
+        restore: Callable `(instance, value)`.
+        context: A context manager factory each deserialization runs in.
+    """
+    import keras
+    from keras.src import saving as src_saving
+    from keras.src.saving import saving_lib
+    from keras.src.saving import serialization_lib
+
+    original_extras = serialization_lib.get_build_and_compile_config
+    if getattr(original_extras, "_keras_mp_hook", False):
+        return
+    original_deserialize = serialization_lib.deserialize_keras_object
+
+    @functools.wraps(original_extras)
+    def get_build_and_compile_config(obj, config):
+        original_extras(obj, config)
+        value = record(obj)
+        if value is not None:
+            config[key] = value
+
+    @functools.wraps(original_deserialize)
+    def deserialize_keras_object(config, *args, **kwargs):
+        with context():
+            instance = original_deserialize(config, *args, **kwargs)
+        if isinstance(config, dict) and key in config:
+            restore(instance, config[key])
+        return instance
+
+    get_build_and_compile_config._keras_mp_hook = True
+    deserialize_keras_object._keras_mp_hook = True
+    serialization_lib.get_build_and_compile_config = (
+        get_build_and_compile_config
+    )
+    modules = (serialization_lib, saving_lib, src_saving)
+    for module in (*modules, keras.saving, keras.utils):
+        if getattr(module, "deserialize_keras_object", None) is (
+            original_deserialize
+        ):
+            module.deserialize_keras_object = deserialize_keras_object
 
 
 def producing_operation(tensor):

@@ -21,9 +21,12 @@ def explain_precision(model, rules=None, print_fn=print):
 
     The answer to "why is this layer float32?": the rule that gave each
     layer its policy (see `precision_rules`), or where the policy came from
-    otherwise: the global policy at creation, or the layer's own `dtype`
-    (which is what layers reloaded from a saved model have: pass the rules
-    to name the one that matches them).
+    otherwise: the global policy at creation, or the layer's own
+    deliberate `dtype` ("dtype argument"; a `dtype=` that hands on the
+    global policy in force, as keras-hub's layers do, leaves the layer to
+    the rules). Layers reloaded with `load_model` show the rules they were
+    saved with; layers rebuilt otherwise from a config show "dtype
+    argument": pass the rules to name the one that matches them.
 
     Args:
         model: A Keras model (Sequential, functional or subclassed) or layer.

@@ -25,8 +25,10 @@ What Keras 3 already does, so no rule is needed for it:
   island already.
 """
 
+import contextlib
 import functools
 import re
+import threading
 import warnings
 
 import keras
@@ -173,10 +175,16 @@ def precision_rules(rules=None, outputs=_UNSET, base=None, name=None):
     """Declares which layers get which dtype policy, such as float32 islands.
 
     Active rules (`keras_mp.set_global_policy(policy, float32_islands=rules)`)
-    apply to every layer created afterwards without an explicit `dtype`: a
-    layer created with `dtype=` keeps it. The first matching rule wins: the
-    entries of `rules` in order, then `outputs`, then the rules of `base`,
-    so user rules override the defaults they extend.
+    apply to every layer created afterwards without a deliberate `dtype`: a
+    layer created with `dtype=` keeps it, unless that argument is the
+    global policy in force handed on (the very object, or a policy object
+    equal to it), as `MultiHeadAttention` and keras-hub's layers hand their
+    own policy to the layers they create; such layers follow the rules
+    (see `_in_force`). Inside a layer (not a model), an island returns the
+    compute dtype of the layer that holds it, and the layers inside a block
+    a rule gives another compute dtype follow it. The first matching rule
+    wins: the entries of `rules` in order, then `outputs`, then the rules
+    of `base`, so user rules override the defaults they extend.
 
     When they apply: class rules when the layer is created (so its weights
     are created in the right dtype); path and `outputs` rules once the model
@@ -189,8 +197,11 @@ def precision_rules(rules=None, outputs=_UNSET, base=None, name=None):
     weights keeps their dtype and takes the rule's compute and output
     dtypes. Subclassed models have no
     layer graph, so `outputs` cannot find their output layers: name those
-    with a path or class rule. The resulting dtypes are in each layer's
-    config, so a saved model reloads with them, rules active or not.
+    with a path or class rule. The resulting dtypes are saved with the
+    model, so it reloads with them, rules active or not: in each layer's
+    config, and for a model that rebuilds its layers from its constructor
+    arguments (keras-hub's tasks and backbones) in a record beside its
+    config (see `_record`).
 
     Under a global `keras.dtype_policies.DTypePolicyMap`, layers that no
     rule matches follow the map; a rule that matches a layer wins over the
@@ -344,6 +355,46 @@ def _set_policy(layer, policy):
             autocast.set_marked(variable, casts)
 
 
+_loading = threading.local()
+
+
+@contextlib.contextmanager
+def _deserializing():
+    """While Keras rebuilds objects from a saved config, where every
+    `dtype=` is what was saved, never a policy handed on."""
+    _loading.depth = getattr(_loading, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _loading.depth -= 1
+
+
+def _in_force(dtype):
+    """Whether a `dtype=` argument is the policy in force, not a choice.
+
+    A layer that passes its own policy to the layers it creates (Keras's
+    `MultiHeadAttention`, every keras-hub backbone and block:
+    `dtype=self.dtype_policy`) hands them the global policy object when it
+    was itself created without a `dtype`. Such an argument, the very policy
+    object a layer created here without `dtype` would get or a policy
+    object equal to it (same class and name; for a keras_mp `Policy` the
+    same loss scale and FP8 recipe too), leaves the layer to the rules. A
+    name string, or any other policy, is a deliberate choice, which wins;
+    so is every `dtype=` of a model being loaded (its saved dtypes, and the
+    record `_restore` applies, decide).
+    """
+    if not isinstance(dtype, keras.DTypePolicy) or getattr(
+        _loading, "depth", 0
+    ):
+        return False
+    current = keras.config.dtype_policy()
+    if dtype is current:
+        return True
+    if isinstance(dtype, keras.dtype_policies.DTypePolicyMap):
+        return False
+    return type(dtype) is type(current) and dtype == current
+
+
 def _install_layer_init_hook():
     original = keras.layers.Layer.__init__
     if getattr(original, "_keras_mp_hook", False):
@@ -354,7 +405,9 @@ def _install_layer_init_hook():
     # of a layer class's `__init__` to record its auto config.
     @functools.wraps(original)
     def __init__(self, **kwargs):
-        explicit = kwargs.get("dtype") is not None
+        dtype = kwargs.get("dtype")
+        handed_on = dtype is not None and _in_force(dtype)
+        explicit = dtype is not None and not handed_on
         original(self, **kwargs)
         if explicit:
             # What `explain_precision` names: only such a layer's policy
@@ -363,19 +416,6 @@ def _install_layer_init_hook():
             fp8_layers.check_layer(self)
         rules = policy_module._global_float32_islands
         recipe = policy_module._global_fp8
-        if (
-            explicit
-            and recipe is not None
-            and kwargs["dtype"] is policy_module._process_policy()
-            and fp8_layers.has_gemm(self)
-        ):
-            # Given the global policy object itself, as MultiHeadAttention
-            # gives its projections its own policy: the FP8 rules still
-            # decide (the float32 islands, as before, do not).
-            self._keras_mp_islands = None
-            self._keras_mp_global_policy = self.dtype_policy
-            fp8_layers.consider(self, recipe)
-            fp8_layers.decide(self)
         if explicit or (rules is None and recipe is None):
             return
         self._keras_mp_islands = rules
@@ -386,7 +426,15 @@ def _install_layer_init_hook():
         if rules is not None:
             rule = rules._match(self, None, False, class_rules_only=True)
         if rule is not None and rule.policy is not None:
-            self.dtype_policy = rule.policy
+            policy = rule.policy
+            if handed_on:
+                # Made by another layer's code, which reads its outputs
+                # (`_apply_rules` settles this from the actual parent).
+                compute = self._keras_mp_global_policy.compute_dtype
+                policy = _with_dtypes(
+                    policy, self, policy.compute_dtype, compute
+                )
+            self.dtype_policy = policy
             self._keras_mp_precision_rule = str(rule)
             fp8_layers.check_layer(self)
         ruled = rule is not None and rule.policy is not None
@@ -396,33 +444,103 @@ def _install_layer_init_hook():
     keras.layers.Layer.__init__ = __init__
 
 
+def _walk_with_parents(layer, seen=None):
+    """`walk_layers(layer, into_models=False)`, each with the layer that
+    holds it (None for `layer`'s own)."""
+    seen = {id(layer)} if seen is None else seen
+    for sublayer in layer._flatten_layers(include_self=False, recursive=False):
+        if id(sublayer) in seen:
+            continue
+        seen.add(id(sublayer))
+        yield sublayer, layer
+        if not isinstance(sublayer, keras.Model):
+            yield from _walk_with_parents(sublayer, seen)
+
+
+def _inner_parent(parent):
+    """`parent` when it is a layer whose own `call` consumes its sublayers'
+    outputs (not a model), else None."""
+    if parent is None or isinstance(parent, keras.Model):
+        return None
+    return parent
+
+
+def _with_dtypes(policy, layer, compute, output):
+    """`policy` fitted to `layer`, computing in `compute` and returning
+    `output`."""
+    policy = fitted_policy(policy, layer)
+    if policy.compute_dtype == compute and (
+        getattr(policy, "output_dtype", policy.compute_dtype) == output
+    ):
+        return policy
+    variable = policy.variable_dtype
+    return Policy(
+        f"params={variable},compute={compute},output={output}",
+        loss_scale=getattr(policy, "loss_scale", None),
+        fp8=getattr(policy, "fp8", None),
+    )
+
+
 def _apply_rules(model):
-    """Applies the rules that were active when each layer was created."""
+    """Applies the rules that were active when each layer was created.
+
+    Inside a layer (not a model), whose `call` is code of its own (`x +
+    residual`), two more things hold. A layer a rule gives a policy
+    returns the compute dtype of the layer that holds it, so that a
+    float32 island hands bfloat16 back to a bfloat16 block. And where a
+    rule gives a block another compute dtype, the layers inside it that no
+    rule and no deliberate `dtype=` decide follow it.
+    """
     outputs = output_layers(model)
-    for layer in walk_layers(model, into_models=False):
+    for layer, parent in _walk_with_parents(model):
         if not hasattr(layer, "_keras_mp_global_policy") or getattr(
             layer, "_keras_mp_rules_decided", False
         ):
             continue
         rules, is_output = layer._keras_mp_islands, id(layer) in outputs
+        inner = _inner_parent(parent)
         rule = None
         if rules is not None:
             rule = rules._match(layer, layer_path(layer), is_output)
-        if rule is None or rule.policy is None:
-            policy = layer._keras_mp_global_policy
-        else:
-            policy = rule.policy
+        ruled = rule is not None and rule.policy is not None
+        described = None if rule is None else str(rule)
+        if ruled:
+            policy = fitted_policy(rule.policy, layer)
             _warn_if_overriding_a_map_entry(layer, rule)
+            if inner is not None:
+                policy = _with_dtypes(
+                    policy, layer, policy.compute_dtype, inner.compute_dtype
+                )
+        else:
+            policy = layer._keras_mp_global_policy
+            followed = _followed_block(layer, inner)
+            if followed is not None:
+                ruled, described = True, followed
+                compute = inner.compute_dtype
+                policy = _with_dtypes(policy, layer, compute, compute)
         if policy is not layer.dtype_policy:
             _set_policy(layer, fitted_policy(policy, layer))
-        layer._keras_mp_precision_rule = None if rule is None else str(rule)
-        ruled = rule is not None and rule.policy is not None
+        layer._keras_mp_precision_rule = described
         fp8_layers.decide(layer, is_output, ruled=ruled)
         # Once: a second model built on these layers (a feature extractor
         # whose outputs are inner layers) must not change the first one.
         layer._keras_mp_rules_decided = True
     model._keras_mp_rules_applied = True
     fp8_layers.check_model(model)
+
+
+def _followed_block(layer, parent):
+    """The rule (as `explain_precision` shows it) that `layer` follows as a
+    layer inside a block a rule gave another compute dtype, or None."""
+    if parent is None:
+        return None
+    rule = getattr(parent, "_keras_mp_precision_rule", None)
+    own = policy_module.layer_policy(layer)
+    if rule is None or parent.compute_dtype == own.compute_dtype:
+        return None
+    if " (inside " in rule:
+        return rule
+    return f"{rule} (inside {layer_path(parent)})"
 
 
 def _warn_if_overriding_a_map_entry(layer, rule):
@@ -468,9 +586,111 @@ def _after_call(operation, outputs):
     return outputs
 
 
+# The key, beside a model's `config` in a saved model, of the decisions
+# `_record` writes and `_restore` applies.
+RECORD_KEY = "keras_mp_precision"
+
+
+def _decided(layer):
+    return hasattr(layer, "_keras_mp_global_policy") or getattr(
+        layer, "_keras_mp_restored", False
+    )
+
+
+def _record(obj):
+    """The precision decisions of a model's layers, for its saved config.
+
+    A model rebuilt from its constructor's arguments (keras-hub's tasks
+    and backbones, any subclassed model) rebuilds its layers with the
+    `dtype` it passes them, not with the policies the rules, islands and
+    FP8 rules gave them. So a model one of whose layers keras_mp decided
+    saves, beside its `config`, each layer's policy, rule, FP8 reason and
+    whether its policy was a deliberate `dtype=`, in
+    `walk_layers(model, into_models=False)` order (a nested model saves
+    its own), and `_restore` applies them when `load_model` rebuilds it.
+    A functional model's layers already carry their policies in their
+    configs; the record agrees with them.
+    """
+    if not isinstance(obj, keras.Model):
+        return None
+    layers = list(walk_layers(obj, into_models=False))
+    if not any(_decided(layer) for layer in layers):
+        return None
+    policies, entries = [], []
+    for layer in layers:
+        index = None
+        policy = layer.dtype_policy
+        if not isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+            config = keras.dtype_policies.serialize(policy)
+            if config not in policies:
+                policies.append(config)
+            index = policies.index(config)
+        entries.append(
+            [
+                type(layer).__name__,
+                index,
+                getattr(layer, "_keras_mp_precision_rule", None),
+                getattr(layer, "_keras_mp_fp8_reason", None),
+                getattr(layer, "_keras_mp_dtype_argument", False),
+            ]
+        )
+    return {"policies": policies, "layers": entries}
+
+
+def _restore(model, record):
+    """Gives a rebuilt model's layers the policies `_record` saved.
+
+    The layers must be the saved ones, class by class, in order: where
+    they are not (the model's code changed), nothing is applied and a
+    warning says so.
+    """
+    if not isinstance(model, keras.Model) or not isinstance(record, dict):
+        return
+    layers = list(walk_layers(model, into_models=False))
+    saved = [entry[0] for entry in record["layers"]]
+    rebuilt = [type(layer).__name__ for layer in layers]
+    if saved != rebuilt:
+        warnings.warn(
+            f"Model {model.name!r} was saved with keras_mp's precision "
+            f"decisions for {len(saved)} layers, but its rebuilt layers "
+            f"({len(rebuilt)}) are not those classes in that order, so "
+            "they keep "
+            "the dtypes of their constructor arguments (no float32 islands "
+            "and no FP8 recipes restored). Rebuild the model with the code "
+            "that saved it, or build it under "
+            "`keras_mp.set_global_policy(...)` and load its weights.",
+            UserWarning,
+            stacklevel=2,
+        )
+        return
+    policies = [
+        keras.dtype_policies.deserialize(config)
+        for config in record["policies"]
+    ]
+    for layer, entry in zip(layers, record["layers"]):
+        _, index, rule, reason, dtype_argument = entry
+        current = layer.dtype_policy
+        if index is not None and not isinstance(
+            current, keras.dtype_policies.DTypePolicyMap
+        ):
+            policy = policies[index]
+            if type(current) is not type(policy) or current != policy:
+                _set_policy(layer, policy)
+        layer._keras_mp_precision_rule = rule
+        layer._keras_mp_fp8_reason = reason
+        # As `explain_precision` named it when it was saved: a layer that
+        # was given the model's policy as `dtype=` got it from the rules.
+        layer._keras_mp_dtype_argument = dtype_argument
+        layer._keras_mp_restored = True
+    fp8_layers.check_model(model)
+
+
 _install_layer_init_hook()
 _keras_internals.install_functional_init_hook(_apply_rules)
 _keras_internals.install_call_hook("precision_rules", _after_call)
+_keras_internals.install_model_serialization(
+    RECORD_KEY, _record, _restore, _deserializing
+)
 
 
 def check_model(model):

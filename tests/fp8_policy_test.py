@@ -249,12 +249,12 @@ class TestExplicitRecipes:
         model.save(path)
         keras_mp.set_global_policy(None)
         restored = keras.models.load_model(path)
+        # Its policy, and the reason a layer has no recipe, are saved.
         assert _fp8_rows(restored) == {
             **_fp8_rows(model),
-            # The reason a layer has no recipe is not saved, its policy is.
-            "logits": "off",
             "functional": "no GEMM",
         }
+        assert _fp8_rows(restored)["logits"] == "output layer"
         assert restored.get_layer("up").dtype_policy.fp8 == _RECIPE
 
 

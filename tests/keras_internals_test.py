@@ -223,3 +223,32 @@ def test_keras_loaders_run_inside_keras_mps_loading_wrapper():
     before = saving_lib.load_weights_only
     _keras_internals.install_loading_wrapper(lambda: None)
     assert saving_lib.load_weights_only is before
+
+
+def test_model_serialization_hook_reaches_every_deserializer():
+    """The record beside a model's config reaches `restore` through each
+    name Keras deserializes with (`load_model` calls `saving_lib`'s), is
+    installed once, and leaves objects without a record alone."""
+    from keras.src.saving import saving_lib
+    from keras.src.saving import serialization_lib
+
+    for module in (serialization_lib, saving_lib, keras.saving, keras.utils):
+        assert module.deserialize_keras_object._keras_mp_hook
+    before = serialization_lib.get_build_and_compile_config
+    _keras_internals.install_model_serialization("x", None, None, None)
+    assert serialization_lib.get_build_and_compile_config is before
+    keras_mp.set_global_policy("mixed_bfloat16", float32_islands="default")
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    keras_mp.set_global_policy(None)
+    config = keras.saving.serialize_keras_object(model)
+    assert [entry[0] for entry in config["keras_mp_precision"]["layers"]] == [
+        "InputLayer",
+        "Dense",
+    ]
+    plain = keras.saving.serialize_keras_object(keras.layers.Dense(2))
+    assert "keras_mp_precision" not in plain
+    reloaded = keras.saving.deserialize_keras_object(config)
+    assert reloaded.layers[-1]._keras_mp_precision_rule == (
+        "DEFAULT_FLOAT32_ISLANDS: model outputs -> float32"
+    )

@@ -289,7 +289,9 @@ class TestSaveLoad:
         assert rows["logits"]["rule"] == (
             "DEFAULT_FLOAT32_ISLANDS: model outputs -> float32"
         )
-        assert rows["hidden"]["rule"] == "dtype argument"
+        # As it was saved (the record beside the model's config), not the
+        # "dtype argument" each layer's config now gives it.
+        assert rows["hidden"]["rule"] == "global policy"
         x = np.ones((2, 6), "float32")
         np.testing.assert_array_equal(to_numpy(restored(x)), to_numpy(model(x)))
 
