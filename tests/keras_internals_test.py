@@ -223,3 +223,13 @@ def test_keras_loaders_run_inside_keras_mps_loading_wrapper():
     before = saving_lib.load_weights_only
     _keras_internals.install_loading_wrapper(lambda: None)
     assert saving_lib.load_weights_only is before
+
+
+def test_model_checkpoint_saves_go_through_one_guard():
+    # Every save of `ModelCheckpoint` (per batch or per epoch) goes through
+    # `_save_model`; keras_mp's guard replaces it once, and only once.
+    checkpoint = keras.callbacks.ModelCheckpoint
+    guarded = checkpoint._save_model
+    assert getattr(guarded, "_keras_mp_hook", False)
+    _keras_internals.install_checkpoint_save_guard(lambda callback: False)
+    assert checkpoint._save_model is guarded
