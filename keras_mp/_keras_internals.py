@@ -43,6 +43,7 @@ __all__ = [
     "get_autocast_scope",
     "in_stateless_scope",
     "install_call_hook",
+    "install_checkpoint_save_guard",
     "install_functional_init_hook",
     "install_global_policy_lookup",
     "install_global_policy_setter",
@@ -205,6 +206,36 @@ def called_by_keras_saving(frame):
 def keras_thread_policy():
     """The policy Keras stores for this thread, or None."""
     return global_state.get_global_attribute("dtype_policy", None)
+
+
+def install_checkpoint_save_guard(may_save):
+    """Lets `may_save(callback)` veto a save of `keras.callbacks.ModelCheckpoint`.
+
+    Every save of the callback, per batch (`save_freq=N`) or at an epoch's
+    end, goes through its `_save_model(epoch, batch, logs)` (keras 3.0 -
+    3.15, and tf.keras before it; subclasses that override it call it
+    through `super()`), before `save_best_only`'s comparison: a vetoed save
+    neither writes a file nor becomes the best one.
+
+    Args:
+        may_save: Callable taking the `ModelCheckpoint`, returning whether
+            it may save now.
+    """
+    import keras
+
+    checkpoint = keras.callbacks.ModelCheckpoint
+    original = checkpoint._save_model
+    if getattr(original, "_keras_mp_hook", False):
+        return
+
+    @functools.wraps(original)
+    def _save_model(self, *args, **kwargs):
+        if may_save(self):
+            return original(self, *args, **kwargs)
+        return None
+
+    _save_model._keras_mp_hook = True
+    checkpoint._save_model = _save_model
 
 
 def install_global_policy_lookup(process_policy):

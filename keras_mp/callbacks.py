@@ -41,6 +41,44 @@ def add_loss_scale_logger(callbacks, optimizer):
     return [LossScaleLogger(), *callbacks]
 
 
+def add_consecutive_skips_check(callbacks, optimizer):
+    """The `callbacks` of a `fit` call, with a check at the end of each
+    batch that stops `fit` after `max_consecutive_skips` skipped steps in a
+    row (`LossScaleOptimizer.check_consecutive_skips`).
+
+    Used by `Model.fit` (see `keras_mp.models`). The list is returned as
+    given when `optimizer` has no keras_mp `LossScaleOptimizer` with a
+    `max_consecutive_skips`, or when it is a
+    `keras.callbacks.CallbackList` (which `fit` uses as it is).
+    """
+    found = find_loss_scale_optimizer(optimizer)
+    if (
+        found is None
+        or found.max_consecutive_skips is None
+        or isinstance(callbacks, keras.callbacks.CallbackList)
+    ):
+        return callbacks
+    callbacks = [] if callbacks is None else keras.tree.flatten(callbacks)
+    return [*callbacks, _ConsecutiveSkipsCheck(found)]
+
+
+class _ConsecutiveSkipsCheck(keras.callbacks.Callback):
+    """Raises from `fit` once `max_consecutive_skips` steps in a row were
+    skipped, read at the end of each batch.
+
+    Runs in the training thread (not `async_safe`), after Keras has read
+    the batch's logs, so the step is finished and the one integer read
+    waits for nothing.
+    """
+
+    def __init__(self, optimizer):
+        super().__init__()
+        self._optimizer = optimizer
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._optimizer.check_consecutive_skips(model=self._model)
+
+
 # Logs that count steps: the progress bar shows them as integers.
 _COUNTS = ("skipped_steps",)
 

@@ -6,10 +6,16 @@ Imports from keras_mp only `_keras_internals`, `backend.gradients`,
 
 With a keras_mp policy that has a loss scale, `Model.compile` wraps the
 optimizer in a `keras_mp.LossScaleOptimizer` holding a copy of that scale, on
-Sequential, functional and subclassed models alike. With such an optimizer,
+Sequential, functional and subclassed models alike; without one, where
+non-finite steps are to be skipped (`set_global_policy(...,
+skip_nonfinite=...)`, on by default for models that use an FP8 recipe), in
+a `LossScaleOptimizer` with a scale of 1 that skips. With such an optimizer,
 `Model.fit` puts a `keras_mp.callbacks.LossScaleLogger` first among the
 callbacks, so `loss_scale` and `skipped_steps` reach the logs;
-`fit(..., log_loss_scale=False)` leaves it out.
+`fit(..., log_loss_scale=False)` leaves it out; with a
+`max_consecutive_skips`, `fit` also checks it at the end of each batch.
+`keras.callbacks.ModelCheckpoint` never writes a model whose weights or
+optimizer state hold an inf or NaN: it warns and skips that save.
 """
 
 import functools
@@ -18,6 +24,7 @@ import warnings
 import weakref
 
 import keras
+from keras import ops
 
 from keras_mp import _keras_internals
 from keras_mp import callbacks as callbacks_module
@@ -32,27 +39,66 @@ from keras_mp.optimizers.wrapper import transformed_loss
 from keras_mp.policy import Policy
 
 
-def wrap_for_policy(optimizer, policy):
+def wrap_for_policy(optimizer, policy, skip_nonfinite=False):
     """The optimizer `compile` uses under `policy`.
 
     Args:
         optimizer: An optimizer, or anything `keras.optimizers.get` takes.
         policy: The model's dtype policy.
+        skip_nonfinite: Whether a non-finite step must be skipped even
+            without a loss scale. Defaults to `False`.
 
     Returns:
-        `optimizer`, wrapped in a `LossScaleOptimizer` with its own copy of
-        the policy's loss scale when the policy is a keras_mp `Policy` with
-        a loss scale and the optimizer does not scale the loss already.
+        `optimizer` as it is when it is or wraps a `LossScaleOptimizer`;
+        else wrapped in a `LossScaleOptimizer` with its own copy of the
+        policy's loss scale when the policy is a keras_mp `Policy` with a
+        loss scale (skipping non-finite steps with a fixed scale too when
+        `skip_nonfinite`), or with a scale of 1 that skips
+        (`skip_nonfinite=True`, `track_overflow=True`) when only
+        `skip_nonfinite` asks for it.
     """
     policy = _default_of(policy)
-    if not isinstance(policy, Policy) or policy.loss_scale is None:
+    template = policy.loss_scale if isinstance(policy, Policy) else None
+    if template is None and (
+        not skip_nonfinite
+        # Keras wraps this one in its own LossScaleOptimizer, which skips.
+        or (not isinstance(policy, Policy) and policy.name == "mixed_float16")
+    ):
         return optimizer
     optimizer = keras.optimizers.get(optimizer)
     if optimizer is None or _contains_loss_scale_optimizer(optimizer):
         return optimizer
-    template = policy.loss_scale
+    if template is None:
+        return LossScaleOptimizer(
+            optimizer, loss_scale=1, skip_nonfinite=True, track_overflow=True
+        )
     loss_scale = type(template).from_config(template.get_config())
-    return LossScaleOptimizer(optimizer, loss_scale=loss_scale)
+    fixed_and_skipping = skip_nonfinite and not loss_scale.is_dynamic
+    return LossScaleOptimizer(
+        optimizer,
+        loss_scale=loss_scale,
+        skip_nonfinite=skip_nonfinite,
+        track_overflow=fixed_and_skipping,
+    )
+
+
+def skips_nonfinite(model):
+    """Whether `compile` makes `model`'s non-finite steps skipped ones.
+
+    `set_global_policy(..., skip_nonfinite=True/False)` decides for every
+    model; with None (the default) it is on where an FP8 recipe is in use:
+    the global one, or any layer's policy (a model loaded or adopted with
+    FP8 layers, recipes given by `precision_rules`).
+    """
+    setting = policy_module.global_skip_nonfinite()
+    if setting is not None:
+        return setting
+    if policy_module._global_fp8 is not None:
+        return True
+    return any(
+        getattr(policy_module.layer_policy(layer), "fp8", None) is not None
+        for layer in _keras_internals.all_layers(model)
+    )
 
 
 def _default_of(policy):
@@ -125,13 +171,14 @@ def _install_compile_hook():
                 # An explicit `loss_scale=None` means no scaling, also where
                 # Keras would wrap "mixed_float16" in its own optimizer.
                 arguments["auto_scale_loss"] = False
-            else:
-                optimizer = wrap_for_policy(arguments["optimizer"], policy)
-                arguments["optimizer"] = optimizer
-                if _wraps_loss_scale_optimizer(optimizer):
-                    # Keras checks only the outermost optimizer; one that
-                    # wraps a LossScaleOptimizer must not be wrapped again.
-                    arguments["auto_scale_loss"] = False
+            optimizer = wrap_for_policy(
+                arguments["optimizer"], policy, skips_nonfinite(self)
+            )
+            arguments["optimizer"] = optimizer
+            if _wraps_loss_scale_optimizer(optimizer):
+                # Keras checks only the outermost optimizer; one that
+                # wraps a LossScaleOptimizer must not be wrapped again.
+                arguments["auto_scale_loss"] = False
         result = original(*bound.args, **bound.kwargs)
         if getattr(self, "optimizer", None) is not None:
             # Whatever the policy: a checkpoint loaded before the first step
@@ -167,20 +214,83 @@ def _install_fit_hook():
         # `log_loss_scale=False` leaves out the LossScaleLogger that is
         # otherwise put first among the callbacks when the optimizer is a
         # keras_mp LossScaleOptimizer.
+        bound = signature.bind(self, *args, **kwargs)
+        callbacks = bound.arguments.get("callbacks")
         if log_loss_scale:
-            bound = signature.bind(self, *args, **kwargs)
-            add_logger = callbacks_module.add_loss_scale_logger
-            bound.arguments["callbacks"] = add_logger(
-                bound.arguments.get("callbacks"), self.optimizer
+            callbacks = callbacks_module.add_loss_scale_logger(
+                callbacks, self.optimizer
             )
-            args, kwargs = bound.args[1:], bound.kwargs
-        return original(self, *args, **kwargs)
+        # Not a logger: a run that keeps failing stops whatever is logged.
+        callbacks = callbacks_module.add_consecutive_skips_check(
+            callbacks, self.optimizer
+        )
+        bound.arguments["callbacks"] = callbacks
+        return original(*bound.args, **bound.kwargs)
 
     fit._keras_mp_hook = True
     keras.Model.fit = fit
 
 
 _install_fit_hook()
+
+
+# `ModelCheckpoint`: never a file of non-finite weights or optimizer state.
+
+
+def nonfinite_variables(model):
+    """The paths of `model`'s float weights and optimizer variables that
+    hold an inf or NaN (one host read of a flag per variable)."""
+    variables = list(model.weights)
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        variables += optimizer.variables
+    seen, checked = set(), []
+    for variable in variables:
+        dtype = keras.backend.standardize_dtype(variable.dtype)
+        if id(variable) in seen or not keras.backend.is_float_dtype(dtype):
+            continue
+        seen.add(id(variable))
+        checked.append(variable)
+    if not checked:
+        return []
+    flags = ops.convert_to_numpy(
+        ops.stack(
+            [
+                # float8 values upcast exactly; isfinite may not take them.
+                ops.all(ops.isfinite(ops.cast(v, "float32")))
+                if "float8" in v.dtype
+                else ops.all(ops.isfinite(v))
+                for v in checked
+            ]
+        )
+    )
+    return [v.path for v, finite in zip(checked, flags) if not finite]
+
+
+def _checkpoint_may_save(callback):
+    # `callback.model`, not `_model`: on JAX it writes the state that `fit`
+    # carries back into the variables first, as the save itself does.
+    nonfinite = nonfinite_variables(callback.model)
+    if not nonfinite:
+        return True
+    shown = ", ".join(nonfinite[:3])
+    more = f" and {len(nonfinite) - 3} more" if len(nonfinite) > 3 else ""
+    warnings.warn(
+        f"ModelCheckpoint skipped this save to {callback.filepath!r}: the "
+        "model's weights or optimizer state hold an inf or NaN (in "
+        f"{shown}{more}), and a checkpoint of them would poison every run "
+        "resumed from it. The last checkpoint written is kept. Skip "
+        "non-finite steps with `keras_mp.set_global_policy(..., "
+        "skip_nonfinite=True)` (on by default under FP8 recipes), or find "
+        "the layer with `keras_mp.LossScaleOptimizer(..., "
+        "track_overflow=True)`.",
+        UserWarning,
+        stacklevel=2,
+    )
+    return False
+
+
+_keras_internals.install_checkpoint_save_guard(_checkpoint_may_save)
 
 
 # Custom train steps: one `train_step` for every policy.

@@ -362,6 +362,9 @@ def _checked(policy):
 # `fp8.DEFAULT_RULES` give such layers, or None. Set with the global policy.
 _global_float32_islands = None
 _global_fp8 = None
+# `set_global_policy(..., skip_nonfinite=...)`: True, False, or None (on
+# where an FP8 recipe is in use; `models.py` resolves it at `compile`).
+_global_skip_nonfinite = None
 _islands_resolver = None
 
 
@@ -371,7 +374,9 @@ def _install_islands_resolver(resolver):
     _islands_resolver = resolver
 
 
-def set_global_policy(policy, float32_islands=None, fp8=None):
+def set_global_policy(
+    policy, float32_islands=None, fp8=None, skip_nonfinite=None
+):
     """Sets the global policy, for keras_mp and for Keras's built-in layers.
 
     Call it before building models: layers take the global policy when they
@@ -412,6 +417,21 @@ def set_global_policy(policy, float32_islands=None, fp8=None):
             name them by path (`precision_rules({"head": "float32"})`).
             `keras_mp.explain_precision` shows each layer's recipe or why
             it has none. Defaults to None.
+        skip_nonfinite: Whether `Model.compile` makes a step whose
+            gradients hold an inf or NaN a skipped step even without a loss
+            scale: the optimizer is wrapped in
+            `keras_mp.LossScaleOptimizer(optimizer, loss_scale=1,
+            skip_nonfinite=True, track_overflow=True)`, which scales
+            nothing, skips and counts the step (`skipped_steps` in the
+            `fit` logs) exactly as a dynamic loss scale does, and stops
+            `fit` with an error naming the layers that overflowed most once
+            `max_consecutive_skips` (2) steps in a row were skipped. None
+            turns it on for models that use an FP8 recipe (this `fp8`, or
+            layers whose policy has one) and off otherwise; True or False
+            decide for every model. A policy with a loss scale gets its
+            `LossScaleOptimizer` as before (a dynamic scale always skips;
+            with True a fixed one does too); an optimizer that is or wraps
+            a `LossScaleOptimizer` is never wrapped again. Defaults to None.
 
     Example:
 
@@ -428,6 +448,13 @@ def set_global_policy(policy, float32_islands=None, fp8=None):
     'tensorwise'
     >>> keras_mp.set_global_policy(None)
     """
+    if skip_nonfinite is not None and not isinstance(skip_nonfinite, bool):
+        raise TypeError(
+            "`skip_nonfinite` must be True, False or None (on under an FP8 "
+            f"recipe). Received: skip_nonfinite={skip_nonfinite!r} (of type "
+            f"{type(skip_nonfinite).__name__}). Pass e.g. "
+            "skip_nonfinite=True."
+        )
     if policy is not None:
         policy = _checked(policy)
     if float32_islands is not None:
@@ -435,7 +462,13 @@ def set_global_policy(policy, float32_islands=None, fp8=None):
     # A float policy (`_checked`), so FP8 GEMMs always have a float
     # compute dtype around them.
     fp8 = recipe_module.get(fp8)
-    _set_global_policy_unchecked(policy, float32_islands, fp8)
+    _set_global_policy_unchecked(policy, float32_islands, fp8, skip_nonfinite)
+
+
+def global_skip_nonfinite():
+    """The `skip_nonfinite` of the last `set_global_policy`: True, False or
+    None (decided per model by `compile`)."""
+    return _global_skip_nonfinite
 
 
 def _set_from_keras(policy, keras_setter):
@@ -453,12 +486,16 @@ def _set_from_keras(policy, keras_setter):
 _keras_internals.install_global_policy_setter(_set_from_keras)
 
 
-def _set_global_policy_unchecked(policy, float32_islands=None, fp8=None):
+def _set_global_policy_unchecked(
+    policy, float32_islands=None, fp8=None, skip_nonfinite=None
+):
     global _global_policy, _global_float32_islands, _global_fp8
+    global _global_skip_nonfinite
     with _global_policy_lock:
         _global_policy = policy
         _global_float32_islands = float32_islands
         _global_fp8 = fp8
+        _global_skip_nonfinite = skip_nonfinite
         # Cleared rather than set: a policy cached in this thread's Keras state
         # would outlive a later set_global_policy made from another thread.
         _keras_internals.set_keras_thread_policy(None)

@@ -252,3 +252,13 @@ def test_model_serialization_hook_reaches_every_deserializer():
     assert reloaded.layers[-1]._keras_mp_precision_rule == (
         "DEFAULT_FLOAT32_ISLANDS: model outputs -> float32"
     )
+
+
+def test_model_checkpoint_saves_go_through_one_guard():
+    # Every save of `ModelCheckpoint` (per batch or per epoch) goes through
+    # `_save_model`; keras_mp's guard replaces it once, and only once.
+    checkpoint = keras.callbacks.ModelCheckpoint
+    guarded = checkpoint._save_model
+    assert getattr(guarded, "_keras_mp_hook", False)
+    _keras_internals.install_checkpoint_save_guard(lambda callback: False)
+    assert checkpoint._save_model is guarded

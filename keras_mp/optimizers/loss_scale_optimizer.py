@@ -2,9 +2,11 @@
 
 Scaling the loss, unscaling the gradients (once, whichever loop style),
 the finite check and the skip decision, the loss scale's update, and the
-Keras 3 / tf.keras constructor arguments. Composes `accumulation.py`
-(windows), `overflow.py` (counters, reports) and `host_skip.py` (PyTorch's
-default step, decided on the host); `legacy_arguments.py` reads Keras 3's
+Keras 3 / tf.keras constructor arguments, and the skip without a loss
+scale (`skip_nonfinite`). Composes `accumulation.py` (windows),
+`overflow.py` (counters, reports), `consecutive_skips.py` (the stop after
+skipped steps in a row) and `host_skip.py` (PyTorch's default step,
+decided on the host); `legacy_arguments.py` reads Keras 3's
 and tf.keras's arguments. Imports those,
 `wrapper.py`, `keras_mp.loss_scale`, `keras_mp.backend` and
 `keras_mp.fp8.stats` (FP8 statistics stored free of the loss scale); never
@@ -24,9 +26,11 @@ from keras_mp.backend import collectives
 from keras_mp.backend import gradients as backend_gradients
 from keras_mp.fp8 import delayed as fp8_delayed
 from keras_mp.fp8 import stats as fp8_stats
+from keras_mp.optimizers import consecutive_skips
 from keras_mp.optimizers import legacy_arguments
 from keras_mp.optimizers import overflow
 from keras_mp.optimizers.accumulation import AccumulationMixin
+from keras_mp.optimizers.consecutive_skips import ConsecutiveSkipsMixin
 from keras_mp.optimizers.host_skip import HostSkipMixin
 from keras_mp.optimizers.overflow import OverflowTrackingMixin
 from keras_mp.optimizers.wrapper import OptimizerWrapper
@@ -46,6 +50,7 @@ class LossScaleOptimizer(
     OptimizerWrapper,
     AccumulationMixin,
     OverflowTrackingMixin,
+    ConsecutiveSkipsMixin,
     HostSkipMixin,
     keras.optimizers.LossScaleOptimizer,
 ):
@@ -78,6 +83,14 @@ class LossScaleOptimizer(
     (`get_scaled_loss` → gradients → `get_unscaled_gradients` →
     `apply_gradients`); gradients that went through `get_unscaled_gradients`
     are not divided again.
+
+    With `skip_nonfinite=True` and `loss_scale=1` it is the skip without
+    loss scaling that `compile` gives models under FP8 recipes
+    (`keras_mp.set_global_policy(..., skip_nonfinite=...)`): nothing is
+    multiplied or divided (a scale of 1 costs no pass over the gradients),
+    and a step whose gradients hold an inf or NaN is skipped and counted
+    exactly as with a dynamic scale (the same finite check, the same skip
+    on every backend, `skipped_steps`, `track_overflow`).
 
     It is an instance of `keras.optimizers.LossScaleOptimizer`, so `compile`
     never wraps it twice. Like Keras's class, it clears the inner optimizer's
@@ -126,6 +139,23 @@ class LossScaleOptimizer(
             most. On TensorFlow and JAX it is accepted and changes nothing:
             their skip is always decided on the device. Defaults to
             `False`.
+        skip_nonfinite: Whether a step with a non-finite gradient is
+            skipped (weights and every optimizer variable left
+            bit-identical, `skipped_steps` counted) whatever the loss scale:
+            with a fixed scale too, which RFC 293 otherwise applies
+            unconditionally. A dynamic scale always skips. With it,
+            `loss_scale=None` means a fixed scale of 1 (no scaling).
+            Defaults to `False`.
+        max_consecutive_skips: After this many steps skipped in a row,
+            `fit` stops with `FloatingPointError` naming the layers whose
+            gradients overflowed most (with `track_overflow=True`): the
+            count is kept inside the step, and checked on the host at the
+            end of each batch (`check_consecutive_skips()`). An int >= 1,
+            None (never stop), or `"auto"`: 2 with `skip_nonfinite=True`
+            and a fixed scale (where Megatron-LM and DeepSpeed meet, see
+            `keras_mp/optimizers/consecutive_skips.py`), None otherwise (a
+            dynamic scale's `on_min_scale` covers it). Settable before the
+            first step. Defaults to `"auto"`.
         **kwargs: Keras 3's `initial_scale` and `dynamic_growth_steps` and
             tf.keras's `dynamic`, so that existing configs load.
 
@@ -153,6 +183,8 @@ class LossScaleOptimizer(
         stochastic_rounding=None,
         master_weights=False,
         skip_on_device=False,
+        skip_nonfinite=False,
+        max_consecutive_skips="auto",
         **kwargs,
     ):
         legacy = {
@@ -172,7 +204,8 @@ class LossScaleOptimizer(
                 f"`{'`, `'.join(kwargs)}`. It takes inner_optimizer, "
                 "loss_scale, aggregate_in_float16, transform_gradients, "
                 "aggregate_gradients, name, track_overflow, state_dtype, "
-                "stochastic_rounding, master_weights and skip_on_device."
+                "stochastic_rounding, master_weights, skip_on_device, "
+                "skip_nonfinite and max_consecutive_skips."
             )
         if legacy:
             if loss_scale != "dynamic":
@@ -195,23 +228,30 @@ class LossScaleOptimizer(
                 "Wrap the plain optimizer instead; scaling twice would "
                 "square the scale."
             )
-        loss_scale = loss_scale_module.get(loss_scale)
-        if loss_scale is None:
-            raise ValueError(
-                "LossScaleOptimizer needs a loss scale. Received: "
-                "loss_scale=None. Use the inner optimizer directly to train "
-                "without loss scaling."
-            )
-        _claim(loss_scale, name)
         for flag, value in (
             ("aggregate_in_float16", aggregate_in_float16),
             ("track_overflow", track_overflow),
             ("skip_on_device", skip_on_device),
+            ("skip_nonfinite", skip_nonfinite),
         ):
             if not isinstance(value, bool):
                 raise TypeError(
                     f"`{flag}` must be a bool. Received: {flag}={value!r}"
                 )
+        if loss_scale is None and skip_nonfinite:
+            loss_scale = 1
+        loss_scale = loss_scale_module.get(loss_scale)
+        if loss_scale is None:
+            raise ValueError(
+                "LossScaleOptimizer needs a loss scale. Received: "
+                "loss_scale=None. Use the inner optimizer directly to train "
+                "without loss scaling, or pass skip_nonfinite=True to skip "
+                "non-finite steps without it."
+            )
+        _claim(loss_scale, name)
+        max_consecutive_skips = consecutive_skips.check_max_consecutive_skips(
+            max_consecutive_skips, skip_nonfinite, loss_scale
+        )
         super().__init__(
             inner_optimizer,
             transform_gradients=transform_gradients,
@@ -225,6 +265,9 @@ class LossScaleOptimizer(
         self.aggregate_in_float16 = aggregate_in_float16
         self.track_overflow = track_overflow
         self.skip_on_device = skip_on_device
+        self.skip_nonfinite = skip_nonfinite
+        self._max_consecutive_skips = max_consecutive_skips
+        self._consecutive_skips = None
         self.inner_optimizer.loss_scale_factor = None
         loss_scale._keras_mp_owner = weakref.ref(self)
         # What happened since the last `apply_gradients`, per thread:
@@ -277,13 +320,23 @@ class LossScaleOptimizer(
         )
         self._build_accumulation()
         self._build_overflow_tracking()
+        self._build_consecutive_skips()
 
     # -------------------------------------------------------------- scaling
+    def _scales_by_one(self):
+        """Whether the scale is a fixed 1: nothing to multiply or divide."""
+        return (
+            isinstance(self._loss_scale, loss_scale_module.FixedLossScale)
+            and self._loss_scale.loss_scale_value == 1.0
+        )
+
     def transform_loss(self, loss):
         loss = super().transform_loss(ops.convert_to_tensor(loss))
         # Recorded when the step is built (traced, or run eagerly): the
         # gradients that reach `apply_gradients` next are of a scaled loss.
         self._step_record.loss_scaled = True
+        if self._scales_by_one():
+            return loss
         return ops.multiply(loss, self._loss_scale())
 
     def get_scaled_loss(self, loss):
@@ -306,9 +359,12 @@ class LossScaleOptimizer(
         divide again, whatever is done to the gradients in between
         (clipping, scaling, casting): the call is recorded, not the tensors.
         """
-        unscaled = backend_gradients.multiply_all(
-            list(grads), self._reciprocal_scale()
-        )
+        if self._scales_by_one():
+            unscaled = list(grads)
+        else:
+            unscaled = backend_gradients.multiply_all(
+                list(grads), self._reciprocal_scale()
+            )
         self._step_record.gradients_unscaled = True
         return unscaled
 
@@ -332,7 +388,8 @@ class LossScaleOptimizer(
         record = self._step_record
         unscaled, scaled = record.gradients_unscaled, record.loss_scaled
         record.gradients_unscaled = record.loss_scaled = False
-        if unscaled:
+        if unscaled or self._scales_by_one():
+            # A scale of 1 leaves every gradient as it is, scaled or not.
             return False
         if scaled:
             return True
@@ -358,7 +415,9 @@ class LossScaleOptimizer(
         grads_and_vars = [(g, v) for g, v in grads_and_vars]
         # `get_unscaled_gradients` divided every gradient, the FP8
         # statistics carriers' too (it is given no variables).
-        self._stats_divided = self._step_record.gradients_unscaled
+        self._stats_divided = (
+            self._step_record.gradients_unscaled and not self._scales_by_one()
+        )
         self._unscale_in_step = self._gradients_need_unscaling()
         return super().apply_gradients(
             grads_and_vars,
@@ -410,7 +469,9 @@ class LossScaleOptimizer(
         return super().transform_gradients(grads_and_vars)
 
     def run_step(self, grads_and_vars):
+        before = self._step_counters()
         self._run_loss_scaled_step(grads_and_vars)
+        self._count_consecutive_skips(before)
         self._write_loss_scale_into_carriers(grads_and_vars)
 
     def _write_loss_scale_into_carriers(self, grads_and_vars):
@@ -434,8 +495,8 @@ class LossScaleOptimizer(
             grads_and_vars = fp8_stats.loss_scale_free(
                 grads_and_vars, self._loss_scale(), self._stats_divided
             )
-        if not self._loss_scale.is_dynamic:
-            # A fixed scale never skips (RFC 293).
+        if not self._loss_scale.is_dynamic and not self.skip_nonfinite:
+            # A fixed scale never skips (RFC 293), unless asked to.
             super().run_step(grads_and_vars)
             return
         if self._skips_on_host():
@@ -479,6 +540,8 @@ class LossScaleOptimizer(
         config["aggregate_in_float16"] = self.aggregate_in_float16
         config["track_overflow"] = self.track_overflow
         config["skip_on_device"] = self.skip_on_device
+        config["skip_nonfinite"] = self.skip_nonfinite
+        config["max_consecutive_skips"] = self._max_consecutive_skips
         return config
 
     @classmethod
