@@ -148,6 +148,8 @@ def test_config_holds_the_loss_scale_and_loads_keras():
         "stochastic_rounding",
         "master_weights",
         "skip_on_device",
+        "skip_nonfinite",
+        "max_consecutive_skips",
     }
     restored = keras_mp.LossScaleOptimizer.from_config(config)
     assert restored.name == "test_opt"
