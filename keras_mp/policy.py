@@ -502,6 +502,21 @@ def _set_global_policy_unchecked(
 
 
 @contextlib.contextmanager
+def _global_fp8_recipe(recipe):
+    """Layers created inside take `recipe` as `set_global_policy(...,
+    fp8=recipe)` would give it them (`recommend_policy` builds its FP8
+    candidate so); the global recipe before is restored after."""
+    global _global_fp8
+    with _global_policy_lock:
+        previous, _global_fp8 = _global_fp8, recipe
+    try:
+        yield
+    finally:
+        with _global_policy_lock:
+            _global_fp8 = previous
+
+
+@contextlib.contextmanager
 def policy_scope(policy):
     """Context manager that sets the policy for this thread, then restores it.
 

@@ -232,7 +232,11 @@ def test_two_fast_candidates_are_also_compared_with_each_other():
 
 
 @pytest.mark.slow
-def test_model_form_picks_the_sound_policy_past_the_margin_leaving_all_as_found():
+def test_model_form_picks_the_sound_policy_past_the_margin_leaving_all_as_found(
+    monkeypatch,
+):
+    # On a CPU: FP8 is not a candidate, and the table says why.
+    monkeypatch.setattr(devices, "device_details", lambda: _CPU)
     keras_mp.set_global_policy("mixed_bfloat16")
     policy = keras_mp.global_policy()
     model = _tiny_model()
@@ -270,6 +274,11 @@ def test_model_form_picks_the_sound_policy_past_the_margin_leaving_all_as_found(
     )
     assert row[:4] == ["mixed_bfloat16", "150.00", "ms", "1.33x"]
     assert "Recommended policy: mixed_bfloat16." in table
+    assert list(result.step_seconds) == list(_POLICIES)
+    assert result.fp8 is None
+    assert result.fp8_skipped.startswith("no FP8 tensor cores on CPU")
+    assert "FP8 was not a candidate: no FP8 tensor cores" in result.reason
+    assert "  FP8 not a candidate: no FP8 tensor cores on CPU" in table
     # What it found: the policy, the model, its optimizer, the randomness.
     assert keras_mp.global_policy() is policy
     assert model.optimizer is optimizer
@@ -571,3 +580,160 @@ def test_a_recommendation_built_with_the_original_fields_prints_its_table():
         if line.strip().startswith("float16:")
     )
     assert float16_line.endswith("(0.80x float32) [upcast: in float32]")
+
+
+# ------------------------------------------------ FP8 as a candidate
+
+_H100 = [
+    {
+        "kind": "gpu",
+        "name": "Test H100",
+        "compute_capability": (9, 0),
+        "native_bfloat16": True,
+    }
+]
+_FP8 = "mixed_bfloat16+fp8"
+
+
+def _fp8_model():
+    """Two Dense layers whose GEMMs (16x32, 32x32) take FP8 under the
+    default rules; the 32x4 output layer and the softmax do not."""
+    model = keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(4),
+            keras.layers.Activation("softmax", dtype="float32"),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss="sparse_categorical_crossentropy",
+    )
+    return model
+
+
+def _fp8_batch():
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0.0, 1.0, (16, 16)).astype("float32")
+    return x, rng.integers(0, 4, 16).astype("int32")
+
+
+def _with_fp8(float32, bfloat16, float16, fp8):
+    return dict(_step_seconds(float32, bfloat16, float16), **{_FP8: fp8})
+
+
+@pytest.mark.parametrize(
+    "details, expected",
+    [
+        (_CPU, "no FP8 tensor cores on CPU 'Test CPU'"),
+        (
+            [dict(_H100[0], name="Test A100", compute_capability=(8, 0))],
+            "no FP8 tensor cores on GPU 'Test A100'",
+        ),
+        (
+            [dict(_H100[0], name="Test L4", compute_capability=(8, 9))],
+            None,
+        ),
+        (_H100, None),
+    ],
+)
+def test_fp8_needs_gpus_of_compute_capability_8_9(details, expected):
+    reason = devices.fp8_unsupported_reason(details)
+    if expected is None:
+        assert reason is None
+    else:
+        assert reason.startswith(expected)
+        assert "compute capability 8.9" in reason
+
+
+def test_fp8_must_beat_float32_and_the_fastest_sound_16_bit_policy():
+    choose = timing._choose_fp8
+    sixteen = ["mixed_bfloat16", "mixed_float16"]
+    # bfloat16 1.33x: FP8 needs 1.25 * 1.33 = 1.67x float32.
+    speedups = {"mixed_bfloat16": 4 / 3, "mixed_float16": 0.7, _FP8: 1.6}
+    assert not choose(speedups, 1.25, sixteen, _FP8)
+    assert choose(dict(speedups, **{_FP8: 1.7}), 1.25, sixteen, _FP8)
+    # No 16-bit policy beats float32 (1.2x): FP8 still has to beat the
+    # fastest of them by the margin, not just float32.
+    slow = {"mixed_bfloat16": 1.2, "mixed_float16": 0.5, _FP8: 1.3}
+    assert not choose(slow, 1.25, sixteen, _FP8)
+    assert choose(dict(slow, **{_FP8: 1.5}), 1.25, sixteen, _FP8)
+    # Every 16-bit policy unsound, or slower than float32: float32 is the bar.
+    assert choose({_FP8: 1.25}, 1.25, [], _FP8)
+    assert not choose(
+        {"mixed_bfloat16": 0.5, _FP8: 1.2}, 1.25, sixteen[:1], _FP8
+    )
+
+
+def test_the_matmul_form_says_why_fp8_is_not_a_candidate(monkeypatch):
+    seconds = {"float32": 1.0, "bfloat16": 1.0, "float16": 1.0}
+    probe, _ = _probe(monkeypatch, _CPU, seconds)
+    assert probe.fp8_skipped.startswith("no FP8 tensor cores on CPU")
+    assert "  FP8 not a candidate: no FP8 tensor cores on CPU" in str(probe)
+    probe, _ = _probe(monkeypatch, _H100, seconds)
+    assert probe.fp8_skipped.startswith("the matmul form times 16-bit")
+
+
+@pytest.mark.slow
+def test_on_fp8_hardware_fp8_is_timed_loss_checked_and_chosen_past_margin(
+    monkeypatch,
+):
+    monkeypatch.setattr(devices, "device_details", lambda: _H100)
+    x, y = _fp8_batch()
+    # FP8 2x float32, 1.5x mixed_bfloat16 (1.33x): chosen.
+    timer = ScriptedTimer(_with_fp8(0.2, 0.15, 0.3, 0.1))
+    result = keras_mp.recommend_policy(_fp8_model(), x, y, _timer=timer)
+    assert timer.calls[_FP8] >= 1 + timing._MIN_ROUNDS
+    assert list(result.step_seconds) == [*_POLICIES, _FP8]
+    assert result.policy == "mixed_bfloat16"
+    assert result.fp8 is keras_mp.fp8.DEFAULT_RECIPE
+    assert result.fp8_skipped is None
+    assert result.speedup(_FP8) == pytest.approx(2.0)
+    # Its loss was checked against float32's like the 16-bit ones.
+    assert 0 < result.loss_deltas[_FP8] < 0.05
+    assert 'set_global_policy("mixed_bfloat16", fp8=True)' in result.reason
+    table = str(result)
+    assert "Recommended policy: mixed_bfloat16 with FP8." in table
+    row = next(
+        line.split()
+        for line in table.splitlines()
+        if line.strip().startswith(_FP8)
+    )
+    assert row[:4] == [_FP8, "100.00", "ms", "2.00x"]
+
+
+def test_fp8_losses_are_checked_against_float32_like_the_16_bit_ones():
+    deltas, unsound = model_probe._check_losses(
+        {
+            "float32": [2.0, 1.0],
+            "mixed_bfloat16": [2.0, 1.01],
+            "mixed_float16": [2.0, 1.0],
+            _FP8: [2.0, 1.2],
+        },
+        tolerance=0.05,
+    )
+    assert deltas[_FP8] == pytest.approx(0.2)
+    assert unsound == {
+        _FP8: "loss 20.0% off float32's at step 2 (tolerance 5%)"
+    }
+    reason = report._model_reason(
+        None, {"float32": 1.0, _FP8: 3.0}, 1.25, unsound, 0.05
+    )
+    assert f"{_FP8} was excluded as unsound: loss 20.0% off" in reason
+
+
+def test_fp8_layers_are_those_the_default_rules_give_fp8():
+    with model_probe._building(_FP8):
+        fp8_model = _fp8_model()
+        tiny = _tiny_model()
+    with model_probe._building("mixed_bfloat16"):
+        bfloat16_model = _fp8_model()
+    assert [layer.units for layer in model_probe._fp8_layers(fp8_model)] == [
+        32,
+        32,
+    ]
+    assert model_probe._fp8_layers(tiny) == []
+    assert model_probe._fp8_layers(bfloat16_model) == []
+    assert keras_mp.policy._global_fp8 is None

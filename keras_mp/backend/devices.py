@@ -181,6 +181,37 @@ def compatibility_warning(policy_name, details):
     return None
 
 
+# FP8 tensor cores: NVIDIA Ada (compute capability 8.9), Hopper (9.0) and
+# later GPUs.
+_FP8_CAPABILITY = (8, 9)
+
+
+def fp8_unsupported_reason(details):
+    """Why FP8 GEMMs cannot pay on these devices, or None where they can.
+
+    Args:
+        details: A list as `device_details()` returns it.
+
+    Returns:
+        None when every device is an NVIDIA GPU of compute capability 8.9
+        or higher (FP8 tensor cores), otherwise a sentence naming the
+        devices found.
+    """
+    if details and all(
+        d["kind"] == "gpu"
+        and d["compute_capability"] is not None
+        and d["compute_capability"] >= _FP8_CAPABILITY
+        for d in details
+    ):
+        return None
+    return (
+        f"no FP8 tensor cores on {_describe(details)} (they need an NVIDIA "
+        "GPU of compute capability 8.9 or higher: Ada, Hopper, Blackwell); "
+        "elsewhere keras_mp computes FP8 GEMMs on 16- or 32-bit units, "
+        "slower than bfloat16"
+    )
+
+
 def _lines(*lines):
     # One short line each: a warning is read in a terminal or a notebook.
     return "\n  ".join(lines)

@@ -62,6 +62,16 @@ def recommend_policy(
       which only the model form measures.
     - `"float32"` otherwise: mixed precision would not be faster here.
 
+    On a device with FP8 tensor cores (NVIDIA GPUs of compute capability
+    8.9 or higher), the model form also builds, checks and times the model
+    under `set_global_policy("mixed_bfloat16", fp8=True)` (as
+    `"mixed_bfloat16+fp8"`). It is chosen only if it beats float32 and the
+    fastest sound 16-bit policy by `margin` and its losses track float32's
+    within `loss_tolerance`; the result's `policy` is then
+    `"mixed_bfloat16"` and its `fp8` the recipe. Elsewhere, or when no
+    layer of the model takes FP8 under `keras_mp.fp8.DEFAULT_RULES`, FP8 is
+    not timed and `fp8_skipped` (and the table) says why.
+
     The model form builds a copy of the model per policy and leaves the
     global policy, the model, its weights and its optimizer as it found
     them (Python's and NumPy's global random states too). A model
@@ -102,7 +112,8 @@ def recommend_policy(
             to 1024 on CPUs and 4096 on accelerators.
 
     Returns:
-        A `PolicyRecommendation`: `policy`, `reason`, `speedups`, and the
+        A `PolicyRecommendation`: `policy` (and `fp8`), `reason`,
+        `speedups`, and the
         table behind them (`str()` prints it).
 
     Example:

@@ -69,6 +69,11 @@ def _recommend_from_matmuls(margin, budget_seconds, size, timer):
         speedups=speedups,
         rounds=len(rounds),
         stable=stable,
+        fp8_skipped=devices.fp8_unsupported_reason(details)
+        or (
+            "the matmul form times 16-bit matmuls only; pass a model "
+            "(`recommend_policy(model, x, y)`) to time FP8 training steps"
+        ),
     )
 
 

@@ -17,14 +17,17 @@ import warnings
 import keras
 import numpy as np
 
+from keras_mp import fp8 as fp8_module
 from keras_mp import policy as policy_module
 from keras_mp.backend import devices
 from keras_mp.backend import throughput as backend_throughput
+from keras_mp.recommend.report import _FP8
 from keras_mp.recommend.report import _POLICIES
 from keras_mp.recommend.report import PolicyRecommendation
 from keras_mp.recommend.report import _model_reason
 from keras_mp.recommend.report import _unsettled_text
 from keras_mp.recommend.timing import _choose
+from keras_mp.recommend.timing import _choose_fp8
 from keras_mp.recommend.timing import _medians
 from keras_mp.recommend.timing import _speedups
 from keras_mp.recommend.timing import _time_until_stable
@@ -70,17 +73,29 @@ def _recommend_from_model(
     timer,
 ):
     source = model if isinstance(model, keras.Model) else None
+    details = devices.device_details()
+    fp8_skipped = devices.fp8_unsupported_reason(details)
+    names = list(_POLICIES) + ([] if fp8_skipped else [_FP8])
     with _global_state_kept():
         models = {}
-        for name in _POLICIES:
-            with policy_module.policy_scope(name):
-                built = _build(model, source, name)
+        for name in names:
+            with _building(name):
+                built = _build(model, source, _policy_of(name))
                 _compile(built, source, loss, optimizer)
             models[name] = built
-        for name in _POLICIES:
+        for name in names:
             if not models[name].built:
                 models[name](x)
-            _check_policy_taken(models[name], name, source)
+            _check_policy_taken(models[name], _policy_of(name), source)
+        if _FP8 in models and not _fp8_layers(models[_FP8]):
+            fp8_skipped = (
+                "no layer of this model takes FP8 under "
+                "keras_mp.fp8.DEFAULT_RULES (Dense and EinsumDense layers "
+                "whose dimensions are multiples of 16, other than the "
+                "output layers)"
+            )
+            names.remove(_FP8)
+            del models[_FP8]
         reference = models["float32"]
         if source is not None and source.built:
             reference = source
@@ -89,15 +104,15 @@ def _recommend_from_model(
             name: [
                 _train_on_batch(models[name], x, y) for _ in range(check_steps)
             ]
-            for name in _POLICIES
+            for name in names
         }
         loss_deltas, unsound = _check_losses(losses, loss_tolerance)
-        runners = {name: _steps(models[name], x, y) for name in _POLICIES}
+        runners = {name: _steps(models[name], x, y) for name in names}
         first = {
             name: timer(name, 1, lambda name=name: runners[name](1))
-            for name in _POLICIES
+            for name in names
         }
-        candidates = [name for name in _POLICIES[1:] if name not in unsound]
+        candidates = [name for name in names[1:] if name not in unsound]
         rounds, stable = _time_until_stable(
             runners,
             _units(first, budget_seconds),
@@ -106,18 +121,22 @@ def _recommend_from_model(
             budget_seconds,
             timer,
         )
-    step_seconds = _medians(rounds, _POLICIES)
-    speedups = _speedups(rounds, _POLICIES)
-    chosen = _choose(speedups, margin, candidates)
-    details = devices.device_details()
+    step_seconds = _medians(rounds, names)
+    speedups = _speedups(rounds, names)
+    sixteen_bit = [name for name in candidates if name != _FP8]
+    chosen = _choose(speedups, margin, sixteen_bit)
+    if _FP8 in candidates and _choose_fp8(speedups, margin, sixteen_bit, _FP8):
+        chosen = _FP8
     notes = {
         f"mixed_{dtype}": note
         for dtype, note in backend_throughput.dtype_notes(details).items()
     }
     return PolicyRecommendation(
-        policy="float32" if chosen is None else chosen,
+        policy="float32" if chosen is None else _policy_of(chosen),
         throughput={name: 1.0 / s for name, s in step_seconds.items()},
-        reason=_model_reason(chosen, speedups, margin, unsound, loss_tolerance)
+        reason=_model_reason(
+            chosen, speedups, margin, unsound, loss_tolerance, fp8_skipped
+        )
         + _unsettled_text(stable, rounds, budget_seconds),
         backend=keras.backend.backend(),
         device=devices._describe(details),
@@ -130,7 +149,37 @@ def _recommend_from_model(
         rounds=len(rounds),
         stable=stable,
         batch_size=_batch_size(x),
+        fp8=fp8_module.DEFAULT_RECIPE if chosen == _FP8 else None,
+        fp8_skipped=fp8_skipped,
     )
+
+
+def _policy_of(name):
+    """The policy a candidate builds its model under (FP8 runs its GEMMs
+    inside mixed_bfloat16)."""
+    return "mixed_bfloat16" if name == _FP8 else name
+
+
+@contextlib.contextmanager
+def _building(name):
+    """The policy, and for the FP8 candidate the global recipe, that the
+    layers created inside take."""
+    with policy_module.policy_scope(_policy_of(name)):
+        if name != _FP8:
+            yield
+            return
+        with policy_module._global_fp8_recipe(fp8_module.DEFAULT_RECIPE):
+            yield
+
+
+def _fp8_layers(built):
+    """The layers of `built` whose GEMMs run in FP8."""
+    layers = list(built._flatten_layers(include_self=False))
+    return [
+        layer
+        for layer in layers
+        if getattr(policy_module.layer_policy(layer), "fp8", None) is not None
+    ]
 
 
 def _build(model, source, policy_name):
@@ -288,7 +337,7 @@ def _check_losses(losses, tolerance):
         )
     deltas = {}
     unsound = {}
-    for name in _POLICIES[1:]:
+    for name in [name for name in losses if name != "float32"]:
         worst, worst_step = 0.0, 0
         for step, (value, expected) in enumerate(zip(losses[name], reference)):
             if not math.isfinite(value):

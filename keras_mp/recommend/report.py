@@ -10,6 +10,9 @@ import dataclasses
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+# The FP8 candidate: mixed_bfloat16 with `keras_mp.fp8.DEFAULT_RECIPE`.
+_FP8 = "mixed_bfloat16+fp8"
+_FP8_SETTING = 'keras_mp.set_global_policy("mixed_bfloat16", fp8=True)'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +24,14 @@ class PolicyRecommendation:
             `"mixed_float16"`, `"mixed_bfloat16"` or `"float32"`.
             `keras_mp.Policy("mixed_float16")` comes with a dynamic loss
             scale; the other two need none.
+        fp8: The FP8 recipe to pass with it
+            (`set_global_policy(policy, fp8=result.fp8)`) where FP8 was
+            chosen, `keras_mp.fp8.DEFAULT_RECIPE` over mixed_bfloat16;
+            None otherwise.
+        fp8_skipped: Why FP8 was not a candidate (no FP8 tensor cores, no
+            layer that takes FP8, or the matmul form), or None where its
+            training steps were timed (as `"mixed_bfloat16+fp8"` in the
+            tables).
         throughput: With `kind="matmul"`, matmul throughput in GFLOP/s by
             dtype name (`"float32"`, `"bfloat16"`, `"float16"`); with
             `kind="model"`, training steps per second by policy name
@@ -68,6 +79,8 @@ class PolicyRecommendation:
     rounds: int = 0
     stable: bool = True
     batch_size: int = None
+    fp8: object = None
+    fp8_skipped: str = None
 
     def speedup(self, name):
         """How many times as fast as float32 `name` (a dtype or policy) ran."""
@@ -82,10 +95,10 @@ class PolicyRecommendation:
                 f"Training steps, batch of {self.batch_size} "
                 f"({self.backend} on {self.device}; {self.rounds} rounds, "
                 f"{settled}):",
-                f"  {'policy':>14}  {'median step':>11}  {'speed-up':>8}  "
+                f"  {'policy':>18}  {'median step':>11}  {'speed-up':>8}  "
                 "loss vs float32",
             ]
-            for name in _POLICIES:
+            for name in self.step_seconds:
                 delta = self.loss_deltas.get(name)
                 shown = "-" if delta is None else f"{100 * delta:.2f}%"
                 extra = [self.notes.get(name), self.unsound.get(name)]
@@ -93,7 +106,7 @@ class PolicyRecommendation:
                     extra[1] = f"unsound: {extra[1]}"
                 suffix = "".join(f" [{e}]" for e in extra if e)
                 lines.append(
-                    f"  {name:>14}  {1000 * self.step_seconds[name]:>8.2f} ms"
+                    f"  {name:>18}  {1000 * self.step_seconds[name]:>8.2f} ms"
                     f"  {self.speedup(name):>7.2f}x  {shown:>15}{suffix}"
                 )
         else:
@@ -108,7 +121,10 @@ class PolicyRecommendation:
                     f"({self.speedup(dtype):.2f}x float32)"
                     + (f" [{note}]" if note else "")
                 )
-        lines.append(f"Recommended policy: {self.policy}. {self.reason}")
+        if self.fp8_skipped:
+            lines.append(f"  FP8 not a candidate: {self.fp8_skipped}.")
+        chosen = self.policy + (" with FP8" if self.fp8 is not None else "")
+        lines.append(f"Recommended policy: {chosen}. {self.reason}")
         return "\n".join(lines)
 
 
@@ -158,12 +174,28 @@ def _matmul_reason(chosen, speedups, margin, float16_capable):
     )
 
 
-def _model_reason(chosen, speedups, margin, unsound, tolerance):
-    ratios = _ratios_text(speedups, _POLICIES[1:])
+def _model_reason(
+    chosen, speedups, margin, unsound, tolerance, fp8_skipped=None
+):
+    ratios = _ratios_text(speedups, [n for n in speedups if n != "float32"])
     excluded = "".join(
         f" {name} was excluded as unsound: {why}."
         for name, why in unsound.items()
     )
+    if fp8_skipped:
+        excluded += f" FP8 was not a candidate: {fp8_skipped}."
+    elif chosen != _FP8 and _FP8 not in unsound:
+        excluded += (
+            f" FP8 ({_FP8}) did not beat float32 and the fastest sound "
+            f"16-bit policy by {margin:g}x."
+        )
+    if chosen == _FP8:
+        return (
+            f"Its FP8 GEMMs (keras_mp.fp8.DEFAULT_RECIPE) beat float32 and "
+            f"the fastest sound 16-bit policy by at least {margin:g}x "
+            f"({ratios}) and its losses track float32's within "
+            f"{100 * tolerance:g}%: call {_FP8_SETTING}.{excluded}"
+        )
     if chosen == "mixed_bfloat16":
         return (
             f"Its training steps beat float32 by at least {margin:g}x "

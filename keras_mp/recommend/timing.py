@@ -174,3 +174,11 @@ def _choose(speedups, margin, candidates):
         if chosen is None or speedups[name] >= margin * speedups[chosen]:
             chosen = name
     return chosen
+
+
+def _choose_fp8(speedups, margin, sixteen_bit, fp8):
+    """Whether `fp8` beats float32 and the fastest of `sixteen_bit` (the
+    sound 16-bit candidates, whether they beat float32 or not) by
+    `margin`: FP8 costs precision over bfloat16, and must pay for it."""
+    best = max([1.0] + [speedups[name] for name in sixteen_bit])
+    return speedups[fp8] >= margin * best
