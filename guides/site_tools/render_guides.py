@@ -13,7 +13,7 @@ where it runs with `KERAS_MP_QUICK=1` (a few steps, as `tests/guides_test.py`
 runs every guide): those take minutes in full on a 2-core CPU, too long for
 every CI run. `--full` runs every guide in full, `--quick` every guide quick.
 
-    python guides/site_tools/render_guides.py            # about 2 minutes
+    python guides/site_tools/render_guides.py            # 8 CPU-minutes
     python guides/site_tools/render_guides.py --full     # the full guides
     python guides/site_tools/render_guides.py fp8_training  # one guide
 """
