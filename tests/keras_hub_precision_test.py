@@ -305,7 +305,7 @@ def test_decisions_survive_load_model_in_a_fresh_process(tmp_path):
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
+        timeout=900,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     line = [
