@@ -69,7 +69,7 @@ class PolicyRecommendation:
     stable: bool = True
     batch_size: int = None
 
-    def speedup(self, name):
+    def speedup(self, name: str) -> float:
         """How many times as fast as float32 `name` (a dtype or policy) ran."""
         if name in self.speedups:
             return self.speedups[name]
