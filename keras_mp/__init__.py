@@ -43,7 +43,9 @@ fp8.adopt = fp8_adopt.adopt
 fp8.freeze = fp8_freeze.freeze
 fp8.__all__ = sorted([*fp8.__all__, "adopt", "freeze"])
 
-__version__ = "0.1.0"
+# The one source of the version: pyproject reads this literal
+# ([tool.setuptools.dynamic]); keras_mp/CHANGELOG.md names it.
+__version__ = "0.2.0"
 
 __all__ = [
     "AutoCastVariable",

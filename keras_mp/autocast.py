@@ -9,8 +9,12 @@ did: every float weight that a layer with a casting policy creates through
 `add_weight` is an `AutoCastVariable` with a `true_dtype`.
 """
 
+from __future__ import annotations
+
 import contextlib
 import functools
+from collections.abc import Iterator
+from typing import NoReturn
 
 import keras
 
@@ -63,7 +67,7 @@ class AutoCastVariable(metaclass=_AutoCastVariableMeta):
         doc="The value, cast to the compute dtype inside the layer's call."
     )
 
-    def __new__(cls, *args, **kwargs):
+    def __new__(cls, *args: object, **kwargs: object) -> NoReturn:
         """Not called by users: `layer.add_weight` creates the variables."""
         raise TypeError(
             "keras_mp.AutoCastVariable is not created directly. Create the "
@@ -146,7 +150,7 @@ _install_add_weight_hook()
 
 
 @contextlib.contextmanager
-def enable_autocast(dtype):
+def enable_autocast(dtype: str | None) -> Iterator[None]:
     """Context manager that reads autocasting variables as `dtype`.
 
     Layers open this scope themselves around `call`; use it in custom code

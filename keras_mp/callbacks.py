@@ -5,6 +5,7 @@ Imports from keras_mp only `backend.training_state`, `fp8.report`,
 nothing above its floor (see ARCHITECTURE.md).
 """
 
+import inspect
 import numbers
 
 import keras
@@ -113,14 +114,23 @@ class _CountingProgbarLogger(keras.callbacks.ProgbarLogger):
 
     def _maybe_init_progbar(self):
         # Keras's own `_maybe_init_progbar` (keras 3.0 - 3.15), with the
-        # Progbar above.
+        # Progbar above. `stateless_metrics` is Keras 3.15's (3.14 and older
+        # refuse it): passed where the Progbar takes it, as Keras does.
         if self.progbar is None:
             self.progbar = _CountingProgbar(
                 target=self.target,
                 verbose=self.verbose,
                 unit_name="step",
-                stateless_metrics=set(),
+                **_STATELESS_METRICS,
             )
+
+
+_STATELESS_METRICS = (
+    {"stateless_metrics": set()}
+    if "stateless_metrics"
+    in inspect.signature(keras.utils.Progbar.__init__).parameters
+    else {}
+)
 
 
 def find_loss_scale_optimizer(optimizer):

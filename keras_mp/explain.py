@@ -4,10 +4,16 @@ Imports from keras_mp only `fp8_layers`, `policy`, `precision`; nothing
 above its floor (see ARCHITECTURE.md).
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
 import keras
 
 from keras_mp import fp8_layers
 from keras_mp import policy as policy_module
+from keras_mp.precision import PrecisionRules
 from keras_mp.precision import check_model
 from keras_mp.precision import fitted_policy
 from keras_mp.precision import layer_path
@@ -16,7 +22,11 @@ from keras_mp.precision import resolve_rules
 from keras_mp.precision import walk_layers
 
 
-def explain_precision(model, rules=None, print_fn=print):
+def explain_precision(
+    model: keras.layers.Layer,
+    rules: PrecisionRules | str | None = None,
+    print_fn: Callable[[str], object] | None = print,
+) -> list[dict[str, Any]]:
     """Prints, per layer, its variable, compute and output dtypes and why.
 
     The answer to "why is this layer float32?": the rule that gave each

@@ -5,8 +5,13 @@ its floor (see
 ARCHITECTURE.md).
 """
 
+from __future__ import annotations
+
 import math
 import numbers
+from collections.abc import Mapping
+from typing import Any
+from typing import TypeVar
 
 import keras
 from keras import ops
@@ -14,6 +19,8 @@ from keras import ops
 from keras_mp import _config
 from keras_mp._scaler_import import from_deepspeed as _from_deepspeed
 from keras_mp._scaler_import import from_torch as _from_torch
+
+_T = TypeVar("_T", bound="LossScale")
 
 
 class LossScale:
@@ -30,16 +37,16 @@ class LossScale:
     distribution strategy and travel through JAX stateless steps).
     """
 
-    def __init__(self):
-        self._variables = []
+    def __init__(self) -> None:
+        self._variables: list[Any] = []
         self.built = False
 
-    def build(self):
+    def build(self) -> None:
         """Creates the state variables. Safe to call more than once."""
         self.built = True
 
     @property
-    def variables(self):
+    def variables(self) -> list[keras.Variable]:
         """The state variables, in checkpoint order."""
         return list(self._variables)
 
@@ -56,11 +63,11 @@ class LossScale:
         self._variables.append(variable)
         return variable
 
-    def __call__(self):
+    def __call__(self) -> Any:
         """Returns the current loss scale as a float32 scalar tensor."""
         raise NotImplementedError
 
-    def update(self, is_finite):
+    def update(self, is_finite: Any) -> Any:
         """Updates the state after a step and says whether to apply it.
 
         Args:
@@ -74,16 +81,16 @@ class LossScale:
         raise NotImplementedError
 
     @property
-    def is_dynamic(self):
+    def is_dynamic(self) -> bool:
         """Whether the scale changes during training and steps may be skipped."""
         return False
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """Every constructor argument, as `from_config` takes it."""
         raise NotImplementedError
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls: type[_T], config: dict[str, Any]) -> _T:
         """Restores a loss scale from `get_config()`'s output."""
         _config.check_config(cls, config)
         return cls(**config)
@@ -125,7 +132,7 @@ class FixedLossScale(LossScale):
     128.0
     """
 
-    def __init__(self, loss_scale_value):
+    def __init__(self, loss_scale_value: float) -> None:
         super().__init__()
         _check_number("loss_scale_value", loss_scale_value)
         if loss_scale_value < 1:
@@ -139,17 +146,17 @@ class FixedLossScale(LossScale):
         self._loss_scale_value = float(loss_scale_value)
 
     @property
-    def loss_scale_value(self):
+    def loss_scale_value(self) -> float:
         """The fixed scale, a Python float (`self()` is it as a tensor)."""
         return self._loss_scale_value
 
-    def __call__(self):
+    def __call__(self) -> Any:
         return ops.convert_to_tensor(self._loss_scale_value, dtype="float32")
 
-    def update(self, is_finite):
+    def update(self, is_finite: Any) -> Any:
         return ops.convert_to_tensor(True)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """Every constructor argument, as `from_config` takes it."""
         return {"loss_scale_value": self._loss_scale_value}
 
@@ -209,14 +216,14 @@ class DynamicLossScale(LossScale):
 
     def __init__(
         self,
-        initial_loss_scale=2**15,
-        increment_period=2000,
-        multiplier=2.0,
-        min_loss_scale=1.0,
-        max_loss_scale=None,
-        hysteresis=1,
-        on_min_scale="warn",
-    ):
+        initial_loss_scale: float = 2**15,
+        increment_period: int = 2000,
+        multiplier: float = 2.0,
+        min_loss_scale: float = 1.0,
+        max_loss_scale: float | None = None,
+        hysteresis: int = 1,
+        on_min_scale: str = "warn",
+    ) -> None:
         super().__init__()
         _check_number("initial_loss_scale", initial_loss_scale)
         _check_number("multiplier", multiplier)
@@ -291,21 +298,21 @@ class DynamicLossScale(LossScale):
                 f"max_loss_scale={max_loss_scale!r}. Raise max_loss_scale or "
                 "lower initial_loss_scale."
             )
-        self.initial_loss_scale = float(initial_loss_scale)
-        self.increment_period = int(increment_period)
-        self.multiplier = float(multiplier)
-        self.min_loss_scale = float(min_loss_scale)
-        self.max_loss_scale = (
+        self.initial_loss_scale: float = float(initial_loss_scale)
+        self.increment_period: int = int(increment_period)
+        self.multiplier: float = float(multiplier)
+        self.min_loss_scale: float = float(min_loss_scale)
+        self.max_loss_scale: float | None = (
             None if max_loss_scale is None else float(max_loss_scale)
         )
-        self.hysteresis = int(hysteresis)
-        self.on_min_scale = on_min_scale
+        self.hysteresis: int = int(hysteresis)
+        self.on_min_scale: str = on_min_scale
         # State an importer carries over (`from_torch`, `from_deepspeed`):
         # the values the variables start from when `build` creates them.
         self._initial_num_good_steps = 0
         self._initial_overflows_in_a_row = 0
 
-    def build(self):
+    def build(self) -> None:
         if self.built:
             return
         self._loss_scale = self._add_variable(
@@ -324,29 +331,29 @@ class DynamicLossScale(LossScale):
         super().build()
 
     @property
-    def loss_scale(self):
+    def loss_scale(self) -> keras.Variable:
         """Keras variable holding the current scale (float32)."""
         self.build()
         return self._loss_scale
 
     @property
-    def num_good_steps(self):
+    def num_good_steps(self) -> keras.Variable:
         """Keras variable counting finite steps since the last change."""
         self.build()
         return self._num_good_steps
 
     @property
-    def is_dynamic(self):
+    def is_dynamic(self) -> bool:
         return True
 
-    def __call__(self):
+    def __call__(self) -> Any:
         if not self.built:
             return ops.convert_to_tensor(self.initial_loss_scale, "float32")
         # A copy: under tf.distribute `value` is a MirroredVariable, which
         # `convert_to_tensor` would pass through.
         return ops.copy(self._loss_scale.value)
 
-    def update(self, is_finite):
+    def update(self, is_finite: Any) -> Any:
         self.build()
         is_finite = ops.convert_to_tensor(is_finite, "bool")
         scale = ops.convert_to_tensor(self._loss_scale.value, "float32")
@@ -394,7 +401,7 @@ class DynamicLossScale(LossScale):
         )
         return is_finite
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """Every constructor argument, as `from_config` takes it."""
         return {
             "initial_loss_scale": self.initial_loss_scale,
@@ -406,14 +413,55 @@ class DynamicLossScale(LossScale):
             "on_min_scale": self.on_min_scale,
         }
 
-    # Importers of other libraries' scaler state; their docstrings (with
-    # the differences from torch's and DeepSpeed's algorithms) are in
-    # `keras_mp/_scaler_import/`.
-    from_torch = classmethod(_from_torch.from_torch)
-    from_deepspeed = classmethod(_from_deepspeed.from_deepspeed)
+    # Importers of other libraries' scaler state; their bodies and
+    # docstrings (with the differences from torch's and DeepSpeed's
+    # algorithms) are in `keras_mp/_scaler_import/`. Written out here so
+    # that type checkers see their signatures.
+    @classmethod
+    def from_torch(
+        cls,
+        state_dict: Mapping[str, Any],
+        *,
+        min_loss_scale: float = 1.0,
+        max_loss_scale: float | None = None,
+        on_min_scale: str = "warn",
+    ) -> DynamicLossScale:
+        return _from_torch.from_torch(
+            cls,
+            state_dict,
+            min_loss_scale=min_loss_scale,
+            max_loss_scale=max_loss_scale,
+            on_min_scale=on_min_scale,
+        )
+
+    @classmethod
+    def from_deepspeed(
+        cls,
+        config: Mapping[str, Any],
+        state: Mapping[str, Any] | None = None,
+        *,
+        max_loss_scale: float | None = None,
+        on_min_scale: str = "warn",
+    ) -> DynamicLossScale:
+        return _from_deepspeed.from_deepspeed(
+            cls,
+            config,
+            state,
+            max_loss_scale=max_loss_scale,
+            on_min_scale=on_min_scale,
+        )
+
+    from_torch.__func__.__doc__ = _from_torch.from_torch.__doc__
+    from_deepspeed.__func__.__doc__ = _from_deepspeed.from_deepspeed.__doc__
 
 
-def get(identifier):
+# What `Policy(loss_scale=...)` and `LossScaleOptimizer(loss_scale=...)`
+# take: a `LossScale`, `"dynamic"`, `"auto"` (a policy's default), a
+# number, a config dict or None.
+LossScaleLike = LossScale | str | float | dict[str, Any] | None
+
+
+def get(identifier: LossScaleLike) -> LossScale | None:
     """Returns a `LossScale` for an identifier.
 
     Args:

@@ -4,9 +4,13 @@ Imports from keras_mp only `_keras_internals`, `fp8.recipe`, `loss_scale`,
 `policy_names`; nothing above its floor (see ARCHITECTURE.md).
 """
 
+from __future__ import annotations
+
 import contextlib
 import threading
 import warnings
+from collections.abc import Iterator
+from typing import Any
 
 import keras
 
@@ -80,7 +84,12 @@ class Policy(keras.DTypePolicy):
     (True, None)
     """
 
-    def __init__(self, name, loss_scale="auto", fp8=None):
+    def __init__(
+        self,
+        name: str,
+        loss_scale: loss_scale_module.LossScaleLike = "auto",
+        fp8: recipe_module.Recipe | bool | None = None,
+    ) -> None:
         if not isinstance(name, str):
             raise TypeError(
                 f"`name` must be a string: {policy_names.VALID_NAMES_TEXT}. "
@@ -129,7 +138,7 @@ class Policy(keras.DTypePolicy):
         return self._compute, self._variable
 
     @property
-    def output_dtype(self):
+    def output_dtype(self) -> str:
         """The dtype a layer with this policy casts its float outputs to.
 
         Equal to `compute_dtype` unless a spec says otherwise.
@@ -137,16 +146,16 @@ class Policy(keras.DTypePolicy):
         return self._output
 
     @property
-    def loss_scale(self):
+    def loss_scale(self) -> loss_scale_module.LossScale | None:
         """The `LossScale` that `compile` copies for the optimizer, or None."""
         return self._loss_scale
 
     @property
-    def fp8(self):
+    def fp8(self) -> recipe_module.Recipe | None:
         """The `keras_mp.fp8.Recipe` of the layer's GEMM, or None."""
         return self._fp8
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """Every constructor argument, as `from_config` takes it.
 
         `fp8` (the recipe's config) is present only when set, as Keras
@@ -162,7 +171,7 @@ class Policy(keras.DTypePolicy):
         return config
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Policy:
         if not isinstance(config, dict) or "name" not in config:
             raise ValueError(
                 "A Policy config is a dict with a 'name' key and optional "
@@ -271,7 +280,7 @@ _keras_internals.install_policy_deserialization(
 )
 
 
-def global_policy():
+def global_policy() -> Policy | keras.dtype_policies.DTypePolicyMap:
     """Returns the global keras_mp `Policy`.
 
     Until `set_global_policy` is called (and again after
@@ -375,8 +384,11 @@ def _install_islands_resolver(resolver):
 
 
 def set_global_policy(
-    policy, float32_islands=None, fp8=None, skip_nonfinite=None
-):
+    policy: Policy | keras.DTypePolicy | str | None,
+    float32_islands: Any = None,
+    fp8: recipe_module.Recipe | bool | None = None,
+    skip_nonfinite: bool | None = None,
+) -> None:
     """Sets the global policy, for keras_mp and for Keras's built-in layers.
 
     Call it before building models: layers take the global policy when they
@@ -502,7 +514,9 @@ def _set_global_policy_unchecked(
 
 
 @contextlib.contextmanager
-def _global_fp8_recipe(recipe):
+def _global_fp8_recipe(
+    recipe: recipe_module.Recipe | None,
+) -> Iterator[None]:
     """Layers created inside take `recipe` as `set_global_policy(...,
     fp8=recipe)` would give it them (`recommend_policy` builds its FP8
     candidate so); the global recipe before is restored after."""
@@ -517,7 +531,9 @@ def _global_fp8_recipe(recipe):
 
 
 @contextlib.contextmanager
-def policy_scope(policy):
+def policy_scope(
+    policy: Policy | keras.DTypePolicy | str | None,
+) -> Iterator[None]:
     """Context manager that sets the policy for this thread, then restores it.
 
     The scoped policy is seen only by the thread that opened the scope (by

@@ -25,11 +25,16 @@ What Keras 3 already does, so no rule is needed for it:
   island already.
 """
 
+from __future__ import annotations
+
 import contextlib
 import functools
 import re
 import threading
 import warnings
+from collections.abc import Iterable
+from collections.abc import Mapping
+from typing import Any
 
 import keras
 
@@ -80,17 +85,17 @@ class PrecisionRules:
     matches a layer gives its policy.
     """
 
-    def __init__(self, rules, name):
+    def __init__(self, rules: Iterable[_Rule], name: str) -> None:
         self._rules = tuple(rules)
         self._name = name
 
     @property
-    def name(self):
+    def name(self) -> str:
         """The name that `explain_precision` shows beside each rule."""
         return self._name
 
     @property
-    def rules(self):
+    def rules(self) -> list[str]:
         """The rules, in the order they are tried, as readable strings."""
         return [str(rule) for rule in self._rules]
 
@@ -102,7 +107,9 @@ class PrecisionRules:
                 return rule
         return None
 
-    def policy_map(self, model):
+    def policy_map(
+        self, model: keras.Model
+    ) -> keras.dtype_policies.DTypePolicyMap:
         """Compiles the rules for a built model into a `DTypePolicyMap`.
 
         Args:
@@ -171,7 +178,12 @@ def _to_selector(key):
     return classes
 
 
-def precision_rules(rules=None, outputs=_UNSET, base=None, name=None):
+def precision_rules(
+    rules: Mapping[Any, Any] | None = None,
+    outputs: Any = _UNSET,
+    base: PrecisionRules | str | None = None,
+    name: str | None = None,
+) -> PrecisionRules:
     """Declares which layers get which dtype policy, such as float32 islands.
 
     Active rules (`keras_mp.set_global_policy(policy, float32_islands=rules)`)

@@ -1,6 +1,7 @@
 """Tests of the public API surface: names, registration, version, doctests."""
 
 import doctest
+import importlib.metadata
 import inspect
 import pathlib
 import re
@@ -113,13 +114,84 @@ def test_abstract_bases_are_exported_and_not_serializable():
             exported[name]().get_config()
 
 
-def test_version_is_a_release_string_matching_pyproject():
-    assert isinstance(keras_mp.__version__, str)
-    assert re.fullmatch(r"\d+\.\d+\.\d+(\.dev\d+|rc\d+)?", keras_mp.__version__)
-    pyproject = pathlib.Path(keras_mp.__file__).parents[1] / "pyproject.toml"
+def test_version_is_a_release_string_with_one_source():
+    version = keras_mp.__version__
+    assert isinstance(version, str)
+    assert re.fullmatch(r"\d+\.\d+\.\d+(\.dev\d+|rc\d+)?", version)
+    # pyproject reads the version from keras_mp/__init__.py, and the
+    # changelog's newest heading names it.
+    root = pathlib.Path(keras_mp.__file__).resolve().parent
+    pyproject = root.parent / "pyproject.toml"
+    if pyproject.exists():  # a checkout, not an installed wheel
+        text = pyproject.read_text()
+        assert 'dynamic = ["version"]' in text
+        assert 'version = { attr = "keras_mp.__version__" }' in text
+        assert not re.search(r'^version = "', text, re.MULTILINE)
+    changelog = (root / "CHANGELOG.md").read_text()
+    newest = re.search(r"^## (\S+)", changelog, re.MULTILINE)
+    assert newest.group(1) == version
+
+
+def test_installed_distribution_has_the_packages_version():
+    # The installed metadata (an editable install or the wheel) says the
+    # same version; without an install (PYTHONPATH) there is none to check.
+    try:
+        installed = importlib.metadata.distribution("keras_mp")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("keras_mp is not installed (run from PYTHONPATH)")
+    located = pathlib.Path(installed.locate_file("keras_mp")).resolve()
+    here = pathlib.Path(keras_mp.__file__).resolve().parent
+    if located.is_dir() and located != here:
+        pytest.skip(f"the installed keras_mp is {located}, not {here}")
+    assert installed.version == keras_mp.__version__
+
+
+def test_the_package_ships_its_type_marker_and_changelog():
+    root = pathlib.Path(keras_mp.__file__).resolve().parent
+    assert (root / "py.typed").is_file()
+    pyproject = root.parent / "pyproject.toml"
     if pyproject.exists():
-        match = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M)
-        assert match.group(1) == keras_mp.__version__
+        text = pyproject.read_text()
+        assert 'keras_mp = ["py.typed", "CHANGELOG.md"]' in text
+
+
+def _unannotated(qualified, function):
+    signature = inspect.signature(function)
+    missing = [
+        name
+        for name, parameter in signature.parameters.items()
+        if name not in ("self", "cls")
+        and parameter.annotation is inspect.Parameter.empty
+    ]
+    if signature.return_annotation is inspect.Signature.empty:
+        missing.append("return")
+    return [f"{qualified}({name})" for name in missing]
+
+
+def test_top_level_api_has_type_hints():
+    # The surface of keras_mp/__init__.py that type checkers read through
+    # py.typed: each function, and each class's constructor and the public
+    # methods and properties it defines, annotated in full. CI checks a
+    # user's code against them with mypy --strict (tests/typing_test.py).
+    missing = []
+    for name in keras_mp.__all__:
+        value = getattr(keras_mp, name)
+        if inspect.isfunction(value):
+            missing += _unannotated(name, inspect.unwrap(value))
+        elif inspect.isclass(value):
+            for attribute, member in vars(value).items():
+                if attribute.startswith("_") and attribute not in (
+                    "__init__",
+                    "__new__",
+                ):
+                    continue
+                if isinstance(member, (staticmethod, classmethod)):
+                    member = member.__func__
+                elif isinstance(member, property):
+                    member = member.fget
+                if inspect.isfunction(member):
+                    missing += _unannotated(f"{name}.{attribute}", member)
+    assert missing == []
 
 
 def test_exported_objects_have_docstrings():

@@ -5,13 +5,21 @@ The body and docstring of the classmethod (the class is passed in as
 `_scaler_import.checks`.
 """
 
+from __future__ import annotations
+
 import numbers
+from collections.abc import Mapping
+from typing import Any
+from typing import TypeVar
 
 from keras_mp._scaler_import.checks import _check_bool
 from keras_mp._scaler_import.checks import _check_integer
 from keras_mp._scaler_import.checks import _check_positive
 from keras_mp._scaler_import.checks import _require_keys
 from keras_mp._scaler_import.checks import _short
+
+# DynamicLossScale, which passes itself as `cls`.
+_T = TypeVar("_T")
 
 _DEEPSPEED_FP16_DEFAULTS = {
     "loss_scale": 0,
@@ -24,8 +32,13 @@ _DEEPSPEED_FP16_DEFAULTS = {
 
 
 def from_deepspeed(
-    cls, config, state=None, *, max_loss_scale=None, on_min_scale="warn"
-):
+    cls: type[_T],
+    config: Mapping[str, Any],
+    state: Mapping[str, Any] | None = None,
+    *,
+    max_loss_scale: float | None = None,
+    on_min_scale: str = "warn",
+) -> _T:
     """A dynamic loss scale with DeepSpeed's fp16 settings and state.
 
     `config` is a DeepSpeed config (ds_config.json as a dict) or its

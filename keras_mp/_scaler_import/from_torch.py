@@ -4,22 +4,30 @@ The body and docstring of the classmethod (the class is passed in as
 `cls`). Imports only `_scaler_import.checks`.
 """
 
+from __future__ import annotations
+
 import math
+from collections.abc import Mapping
+from typing import Any
+from typing import TypeVar
 
 from keras_mp._scaler_import.checks import _check_integer
 from keras_mp._scaler_import.checks import _check_positive
 from keras_mp._scaler_import.checks import _check_tracker
 from keras_mp._scaler_import.checks import _require_keys
 
+# DynamicLossScale, which passes itself as `cls`.
+_T = TypeVar("_T")
+
 
 def from_torch(
-    cls,
-    state_dict,
+    cls: type[_T],
+    state_dict: Mapping[str, Any],
     *,
-    min_loss_scale=1.0,
-    max_loss_scale=None,
-    on_min_scale="warn",
-):
+    min_loss_scale: float = 1.0,
+    max_loss_scale: float | None = None,
+    on_min_scale: str = "warn",
+) -> _T:
     """Continues a PyTorch loss scaler's run where it stopped.
 
     Takes any of:

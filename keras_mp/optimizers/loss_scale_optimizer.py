@@ -13,9 +13,15 @@ and tf.keras's arguments. Imports those,
 `models.py`, `callbacks.py` or `recommend`.
 """
 
+from __future__ import annotations
+
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 from keras import ops
@@ -33,6 +39,7 @@ from keras_mp.optimizers.accumulation import AccumulationMixin
 from keras_mp.optimizers.consecutive_skips import ConsecutiveSkipsMixin
 from keras_mp.optimizers.host_skip import HostSkipMixin
 from keras_mp.optimizers.overflow import OverflowTrackingMixin
+from keras_mp.optimizers.wrapper import GradsAndVars
 from keras_mp.optimizers.wrapper import OptimizerWrapper
 
 
@@ -172,21 +179,22 @@ class LossScaleOptimizer(
 
     def __init__(
         self,
-        inner_optimizer,
-        loss_scale="dynamic",
-        aggregate_in_float16=False,
-        transform_gradients=None,
-        aggregate_gradients=None,
-        name=None,
-        track_overflow=False,
-        state_dtype=None,
-        stochastic_rounding=None,
-        master_weights=False,
-        skip_on_device=False,
-        skip_nonfinite=False,
-        max_consecutive_skips="auto",
-        **kwargs,
-    ):
+        inner_optimizer: keras.optimizers.Optimizer,
+        loss_scale: loss_scale_module.LossScaleLike = "dynamic",
+        aggregate_in_float16: bool = False,
+        transform_gradients: Any = None,
+        aggregate_gradients: Callable[[GradsAndVars], Iterable[tuple[Any, Any]]]
+        | None = None,
+        name: str | None = None,
+        track_overflow: bool = False,
+        state_dtype: str | None = None,
+        stochastic_rounding: bool | None = None,
+        master_weights: bool = False,
+        skip_on_device: bool = False,
+        skip_nonfinite: bool = False,
+        max_consecutive_skips: int | str | None = "auto",
+        **kwargs: Any,
+    ) -> None:
         legacy = {
             key: kwargs.pop(key)
             for key in ("dynamic", "initial_scale", "dynamic_growth_steps")
@@ -281,33 +289,33 @@ class LossScaleOptimizer(
 
     # ------------------------------------------------------------ properties
     @property
-    def loss_scale(self):
+    def loss_scale(self) -> loss_scale_module.LossScale:
         """The `LossScale`; `optimizer.loss_scale()` is the current value."""
         return self._loss_scale
 
     @property
-    def dynamic(self):
+    def dynamic(self) -> bool:
         """Whether the loss scale is dynamic (tf.keras's name)."""
         return self._loss_scale.is_dynamic
 
     @property
-    def initial_scale(self):
+    def initial_scale(self) -> float:
         """The scale before the first step (Keras 3's name)."""
         if self._loss_scale.is_dynamic:
             return self._loss_scale.initial_loss_scale
         return self._loss_scale.loss_scale_value
 
     @property
-    def dynamic_growth_steps(self):
+    def dynamic_growth_steps(self) -> int | None:
         """Finite steps before the scale grows (Keras 3's name), or None."""
         return getattr(self._loss_scale, "increment_period", None)
 
     @property
-    def skipped_steps(self):
+    def skipped_steps(self) -> keras.Variable:
         """Keras variable counting the steps skipped for non-finite gradients."""
         return self._skipped_steps
 
-    def build_wrapper(self, var_list):
+    def build_wrapper(self, var_list: list[keras.Variable]) -> None:
         self._loss_scale.build()
         for variable in self._loss_scale.variables:
             self._track_variable(variable)
@@ -323,14 +331,14 @@ class LossScaleOptimizer(
         self._build_consecutive_skips()
 
     # -------------------------------------------------------------- scaling
-    def _scales_by_one(self):
+    def _scales_by_one(self) -> bool:
         """Whether the scale is a fixed 1: nothing to multiply or divide."""
         return (
             isinstance(self._loss_scale, loss_scale_module.FixedLossScale)
             and self._loss_scale.loss_scale_value == 1.0
         )
 
-    def transform_loss(self, loss):
+    def transform_loss(self, loss: Any) -> Any:
         loss = super().transform_loss(ops.convert_to_tensor(loss))
         # Recorded when the step is built (traced, or run eagerly): the
         # gradients that reach `apply_gradients` next are of a scaled loss.
@@ -339,7 +347,7 @@ class LossScaleOptimizer(
             return loss
         return ops.multiply(loss, self._loss_scale())
 
-    def get_scaled_loss(self, loss):
+    def get_scaled_loss(self, loss: Any) -> Any:
         """Multiplies `loss` by the loss scale (RFC 293).
 
         Args:
@@ -352,7 +360,7 @@ class LossScaleOptimizer(
             return lambda: self.transform_loss(loss())
         return self.transform_loss(loss)
 
-    def get_unscaled_gradients(self, grads):
+    def get_unscaled_gradients(self, grads: Sequence[Any]) -> list[Any]:
         """Divides gradients by the loss scale (RFC 293). None passes through.
 
         After this call, the next `apply_gradients` (the same step) does not
@@ -411,7 +419,11 @@ class LossScaleOptimizer(
         return False
 
     # ------------------------------------------------------------- pipeline
-    def apply_gradients(self, grads_and_vars, skip_gradients_aggregation=False):
+    def apply_gradients(
+        self,
+        grads_and_vars: Iterable[tuple[Any, Any]],
+        skip_gradients_aggregation: bool = False,
+    ) -> Any:
         grads_and_vars = [(g, v) for g, v in grads_and_vars]
         # `get_unscaled_gradients` divided every gradient, the FP8
         # statistics carriers' too (it is given no variables).
@@ -424,7 +436,7 @@ class LossScaleOptimizer(
             skip_gradients_aggregation=skip_gradients_aggregation,
         )
 
-    def aggregate_gradients(self, grads_and_vars):
+    def aggregate_gradients(self, grads_and_vars: GradsAndVars) -> GradsAndVars:
         if not self.aggregate_in_float16:
             return super().aggregate_gradients(grads_and_vars)
         # Never a silent no-op: on PyTorch only a callable can sum in float16.
@@ -456,7 +468,7 @@ class LossScaleOptimizer(
             for (g, v), dtype in zip(reduced, dtypes)
         ]
 
-    def transform_gradients(self, grads_and_vars):
+    def transform_gradients(self, grads_and_vars: GradsAndVars) -> GradsAndVars:
         if self._unscale_in_step:
             # Part of the update that `apply_if` guards (see `run_step`), so
             # under XLA the multiply fuses with the optimizer's elementwise
@@ -468,7 +480,7 @@ class LossScaleOptimizer(
             grads_and_vars = list(zip(unscaled, [v for _, v in grads_and_vars]))
         return super().transform_gradients(grads_and_vars)
 
-    def run_step(self, grads_and_vars):
+    def run_step(self, grads_and_vars: GradsAndVars) -> Any:
         before = self._step_counters()
         self._run_loss_scaled_step(grads_and_vars)
         self._count_consecutive_skips(before)
@@ -530,7 +542,7 @@ class LossScaleOptimizer(
         )
 
     # -------------------------------------------------------- serialization
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """Every constructor argument, as `from_config` takes it."""
         config = super().get_config()
         config["inner_optimizer"] = config.pop("optimizer")
@@ -545,7 +557,11 @@ class LossScaleOptimizer(
         return config
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(
+        cls,
+        config: dict[str, Any],
+        custom_objects: dict[str, Any] | None = None,
+    ) -> LossScaleOptimizer:
         # Keras's and tf.keras's name for the wrapped optimizer.
         if isinstance(config, dict) and "optimizer" in config:
             config = dict(config)  # tf.keras's and Keras 3's key.

@@ -10,6 +10,13 @@ what it is given). Imports those,
 or a module above it (`models.py`, `callbacks.py`, `recommend`).
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import Any
+
 import keras
 
 from keras_mp import _config
@@ -27,6 +34,10 @@ from keras_mp.optimizers.delegation import DelegationMixin
 from keras_mp.optimizers.overwrite_with_gradient import overwrites_with_gradient
 from keras_mp.optimizers.overwrite_with_gradient import split_overwritten
 from keras_mp.optimizers.state_precision import StatePrecisionMixin
+
+# (gradient, variable) pairs, as every stage takes and returns them; the
+# gradients are backend tensors (or None for a variable without one).
+GradsAndVars = list[tuple[Any, Any]]
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -127,15 +138,16 @@ class OptimizerWrapper(
 
     def __init__(
         self,
-        inner_optimizer=None,
-        transform_gradients=None,
-        aggregate_gradients=None,
-        name=None,
-        state_dtype=None,
-        stochastic_rounding=None,
-        master_weights=False,
-        **kwargs,
-    ):
+        inner_optimizer: keras.optimizers.Optimizer | None = None,
+        transform_gradients: Any = None,
+        aggregate_gradients: Callable[[GradsAndVars], Iterable[tuple[Any, Any]]]
+        | None = None,
+        name: str | None = None,
+        state_dtype: str | None = None,
+        stochastic_rounding: bool | None = None,
+        master_weights: bool = False,
+        **kwargs: Any,
+    ) -> None:
         state_dtype, stochastic_rounding = (
             state_precision.check_state_arguments(
                 state_dtype, stochastic_rounding, master_weights
@@ -178,12 +190,12 @@ class OptimizerWrapper(
         )
 
     @property
-    def transforms(self):
+    def transforms(self) -> transforms_module.Chain:
         """The `keras_mp.transforms.Chain` run by `transform_gradients`."""
         return self._transforms
 
     @property
-    def variables(self):
+    def variables(self) -> list[keras.Variable]:
         return self._inner_optimizer.variables + self._own_variables()
 
     def _own_variables(self):
@@ -203,12 +215,12 @@ class OptimizerWrapper(
         inner = self._inner_optimizer
         return inner._base_optimizer() if _is_wrapper(inner) else inner
 
-    def finalize_variable_values(self, var_list):
+    def finalize_variable_values(self, var_list: list[keras.Variable]) -> None:
         self._inner_optimizer.finalize_variable_values(var_list)
 
     # ---------------------------------------------------------------- build
     @_keras_internals.no_automatic_dependency_tracking
-    def build(self, var_list):
+    def build(self, var_list: list[keras.Variable]) -> None:
         var_list = list(var_list)
         if self.built or not var_list:
             # Nothing to build for no variables: Keras's legacy `.h5` loader
@@ -236,7 +248,7 @@ class OptimizerWrapper(
         if self.__dict__.get("_pending_restore"):
             self._commit_restore(deferred=True)
 
-    def build_wrapper(self, var_list):
+    def build_wrapper(self, var_list: list[keras.Variable]) -> None:
         """Creates the wrapper's own variables with `self.add_variable`.
 
         Called once by `build`, after the inner optimizer is built. Override
@@ -244,7 +256,7 @@ class OptimizerWrapper(
         """
 
     # ------------------------------------------------------------- pipeline
-    def transform_loss(self, loss):
+    def transform_loss(self, loss: Any) -> Any:
         """Stage 1: transforms the loss before differentiation.
 
         The default defers to the inner optimizer (`scale_loss`).
@@ -254,7 +266,9 @@ class OptimizerWrapper(
             return inner.transform_loss(loss)
         return inner.scale_loss(loss)
 
-    def get_gradients(self, loss, variables, tape=None):
+    def get_gradients(
+        self, loss: Any, variables: list[keras.Variable], tape: Any = None
+    ) -> GradsAndVars:
         """Stage 2: gradients of the (transformed) loss.
 
         Args:
@@ -270,7 +284,9 @@ class OptimizerWrapper(
         grads = backend_gradients.compute_gradients(loss, variables, tape)
         return list(zip(grads, variables))
 
-    def transform_unaggregated_gradients(self, grads_and_vars):
+    def transform_unaggregated_gradients(
+        self, grads_and_vars: GradsAndVars
+    ) -> GradsAndVars:
         """Stage 3: transforms each replica's gradients before aggregation.
 
         The default defers to an inner wrapper, and is the identity otherwise.
@@ -280,7 +296,7 @@ class OptimizerWrapper(
             return inner.transform_unaggregated_gradients(grads_and_vars)
         return grads_and_vars
 
-    def aggregate_gradients(self, grads_and_vars):
+    def aggregate_gradients(self, grads_and_vars: GradsAndVars) -> GradsAndVars:
         """Stage 4: sums gradients across replicas (identity on one device).
 
         Uses the `aggregate_gradients` constructor argument if given, else
@@ -295,11 +311,11 @@ class OptimizerWrapper(
         grads = backend_gradients.all_reduce_sum([g for g, _ in grads_and_vars])
         return list(zip(grads, [v for _, v in grads_and_vars]))
 
-    def transform_gradients(self, grads_and_vars):
+    def transform_gradients(self, grads_and_vars: GradsAndVars) -> GradsAndVars:
         """Stage 5: transforms aggregated gradients with the plug-in chain."""
         return self._transforms(grads_and_vars)
 
-    def apply_updates(self, grads_and_vars):
+    def apply_updates(self, grads_and_vars: GradsAndVars) -> None:
         """Stage 6: the inner optimizer updates the variables.
 
         `grads_and_vars` ends with the pairs of variables that overwrite
@@ -324,7 +340,9 @@ class OptimizerWrapper(
             self._write_back_master_weights(model_variables)
 
     # --------------------------------------------------------- entry points
-    def compute_gradients(self, loss, var_list, tape=None):
+    def compute_gradients(
+        self, loss: Any, var_list: Iterable[keras.Variable], tape: Any = None
+    ) -> GradsAndVars:
         """Stages 1-2: transformed loss, then its gradients.
 
         Returns:
@@ -334,7 +352,9 @@ class OptimizerWrapper(
         loss = transformed_loss(self.transform_loss, loss, tape)
         return self.get_gradients(loss, list(var_list), tape)
 
-    def minimize(self, loss, var_list, tape=None):
+    def minimize(
+        self, loss: Any, var_list: Iterable[keras.Variable], tape: Any = None
+    ) -> Any:
         """Runs the whole pipeline: the loss's gradients update `var_list`.
 
         Args:
@@ -349,11 +369,15 @@ class OptimizerWrapper(
         grads_and_vars = self.compute_gradients(loss, var_list, tape=tape)
         return self.apply_gradients(grads_and_vars)
 
-    def scale_loss(self, loss):
+    def scale_loss(self, loss: Any) -> Any:
         """Keras 3's name for stage 1, called by `Model.fit`."""
         return self.transform_loss(loss)
 
-    def apply(self, grads, trainable_variables=None):
+    def apply(
+        self,
+        grads: Sequence[Any],
+        trainable_variables: Sequence[keras.Variable] | None = None,
+    ) -> None:
         """Stages 3-6 for gradients of `trainable_variables` (Keras 3 API)."""
         if trainable_variables is None:
             if not self.built:
@@ -365,7 +389,11 @@ class OptimizerWrapper(
             trainable_variables = self._trainable_variables
         self.apply_gradients(zip(grads, trainable_variables))
 
-    def apply_gradients(self, grads_and_vars, skip_gradients_aggregation=False):
+    def apply_gradients(
+        self,
+        grads_and_vars: Iterable[tuple[Any, Any]],
+        skip_gradients_aggregation: bool = False,
+    ) -> Any:
         """Stages 3-6.
 
         Args:
@@ -402,7 +430,7 @@ class OptimizerWrapper(
         self.run_step(grads_and_vars + overwritten)
         return self.iterations
 
-    def run_step(self, grads_and_vars):
+    def run_step(self, grads_and_vars: GradsAndVars) -> Any:
         """Stages 5-6 on aggregated gradients.
 
         Subclasses that may skip a step (as `LossScaleOptimizer` does on
@@ -420,7 +448,7 @@ class OptimizerWrapper(
             self.transform_gradients(grads_and_vars) + overwritten
         )
 
-    def apply_if(self, condition, grads_and_vars):
+    def apply_if(self, condition: Any, grads_and_vars: GradsAndVars) -> None:
         """Runs stages 5-6 only where the scalar bool `condition` holds.
 
         On a skipped step every model and optimizer variable keeps its exact
@@ -438,13 +466,18 @@ class OptimizerWrapper(
             self, condition, self._transform_and_apply, grads_and_vars
         )
 
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+    def stateless_apply(
+        self,
+        optimizer_variables: Sequence[Any],
+        grads: Sequence[Any],
+        trainable_variables: Sequence[Any],
+    ) -> tuple[list[Any], list[Any]]:
         return keras.optimizers.Optimizer.stateless_apply(
             self, optimizer_variables, grads, trainable_variables
         )
 
     # -------------------------------------------------------- serialization
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """Every constructor argument, as `from_config` takes it."""
         config = {
             "name": self.name,
@@ -465,7 +498,11 @@ class OptimizerWrapper(
         return config
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(
+        cls,
+        config: dict[str, Any],
+        custom_objects: dict[str, Any] | None = None,
+    ) -> OptimizerWrapper:
         _config.check_config(cls, config, required=("optimizer",))
         config = dict(config)
         optimizer = keras.saving.deserialize_keras_object(
@@ -479,11 +516,11 @@ class OptimizerWrapper(
             )
         return cls(optimizer, **config)
 
-    def get_state(self):
+    def get_state(self) -> list[Any]:
         """The plug-in state of this wrapper: `{name: numpy array}`."""
         return self._transforms.get_state()
 
-    def set_state(self, state):
+    def set_state(self, state: list[Any]) -> None:
         """Restores `get_state()`'s output; all or nothing on a mismatch."""
         self._transforms.set_state(state)
 

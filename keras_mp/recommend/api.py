@@ -4,27 +4,33 @@ Imports the probes and the timing engine (for its wall-clock timer); no
 module of `keras_mp.recommend` imports this one but `__init__`.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
 import keras
 
 from keras_mp.recommend.matmul_probe import _recommend_from_matmuls
 from keras_mp.recommend.model_probe import _recommend_from_model
+from keras_mp.recommend.report import PolicyRecommendation
 from keras_mp.recommend.timing import _wall_timer
 
 
 def recommend_policy(
-    model=None,
-    x=None,
-    y=None,
+    model: keras.Model | Callable[[], keras.Model] | None = None,
+    x: Any = None,
+    y: Any = None,
     *,
-    loss=None,
-    optimizer=None,
-    margin=1.25,
-    budget_seconds=3.0,
-    loss_tolerance=0.05,
-    check_steps=3,
-    size=None,
-    _timer=None,
-):
+    loss: Any = None,
+    optimizer: Any = None,
+    margin: float = 1.25,
+    budget_seconds: float = 3.0,
+    loss_tolerance: float = 0.05,
+    check_steps: int = 3,
+    size: int | None = None,
+    _timer: Callable[[], float] | None = None,
+) -> PolicyRecommendation:
     """Times training under float32, mixed_bfloat16, mixed_float16; picks one.
 
     Whether mixed precision pays depends on the model as much as on the

@@ -82,7 +82,7 @@ class PolicyRecommendation:
     fp8: object = None
     fp8_skipped: str = None
 
-    def speedup(self, name):
+    def speedup(self, name: str) -> float:
         """How many times as fast as float32 `name` (a dtype or policy) ran."""
         if name in self.speedups:
             return self.speedups[name]
