@@ -2,9 +2,9 @@
 (issue 35): the SavedModel serves what `predict` gives.
 
 TensorFlow and JAX export to a TensorFlow SavedModel (JAX through
-jax2tf). Keras 3.15's PyTorch backend exports to ONNX only (through
-`torch.onnx`, a package this project does not install), so no test runs
-there. ONNX export on TensorFlow needs `tf2onnx`; without it the test
+jax2tf). On PyTorch, Keras 3.15's `tf_saved_model` export fails inside
+`torch.export` (a dynamic-shapes mismatch, with torch 2.13), so no test
+runs there. ONNX export on TensorFlow needs `tf2onnx`; without it the test
 checks that the export gets past keras_mp's variables to that import.
 """
 
