@@ -36,6 +36,7 @@ __all__ = [
     "Trainer",
     "accumulated_gradients",
     "add_weight_to_built_layer",
+    "averaged_pairs_only",
     "all_layers",
     "called_by_keras_saving",
     "float8_amax_histories",
@@ -51,6 +52,7 @@ __all__ = [
     "install_policy_deserialization",
     "install_policy_serialization",
     "keras_thread_policy",
+    "moving_averages",
     "no_automatic_dependency_tracking",
     "own_variables",
     "producing_operation",
@@ -157,6 +159,54 @@ def accumulated_gradients(optimizer):
     order of the variables it was built for (keras 3.5 - 3.15).
     """
     return list(optimizer._accumulated_gradients)
+
+
+@contextlib.contextmanager
+def averaged_pairs_only(optimizer):
+    """Context manager in which a Keras optimizer's EMA lists hold only the
+    variables that have a moving average.
+
+    With `use_ema=True`, `BaseOptimizer.build` keeps one entry of
+    `_model_variables_moving_average` per entry of `_trainable_variables`,
+    None for a variable with `overwrite_with_gradient` (keras 3.0 - 3.15).
+    The base class skips the None entries, but the TensorFlow backend's
+    `_overwrite_model_variables_with_average_value` and the JAX backend's
+    `_backend_apply_gradients` assign every entry, None included. Inside,
+    both lists hold only the pairs with an average, in order; the lists are
+    swapped past attribute tracking and put back on exit.
+    """
+    averages = getattr(optimizer, "_model_variables_moving_average", None)
+    if (
+        not optimizer.use_ema
+        or averages is None
+        or all(average is not None for average in averages)
+    ):
+        yield
+        return
+    saved = {
+        "_trainable_variables": optimizer._trainable_variables,
+        "_model_variables_moving_average": averages,
+    }
+    pairs = [
+        (variable, average)
+        for variable, average in zip(optimizer._trainable_variables, averages)
+        if average is not None
+    ]
+    optimizer.__dict__.update(
+        _trainable_variables=[variable for variable, _ in pairs],
+        _model_variables_moving_average=[average for _, average in pairs],
+    )
+    try:
+        yield
+    finally:
+        optimizer.__dict__.update(saved)
+
+
+def moving_averages(optimizer):
+    """The EMA list of a built Keras optimizer with `use_ema=True`: one
+    moving average per variable it was built for, None for a variable with
+    `overwrite_with_gradient` (keras 3.0 - 3.15)."""
+    return list(optimizer._model_variables_moving_average)
 
 
 def variable_autocasts(variable):

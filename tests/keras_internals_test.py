@@ -64,6 +64,20 @@ class TestImports:
                 offenders.append(str(path.relative_to(_PACKAGE)))
         assert offenders == []
 
+    def test_ema_lists_hold_only_averaged_pairs_inside_and_return(self):
+        plain = keras.Variable(np.ones(2), dtype="float32")
+        carrier = keras.Variable(np.ones(2), dtype="float32")
+        carrier.overwrite_with_gradient = True
+        optimizer = keras.optimizers.SGD(use_ema=True)
+        optimizer.build([plain, carrier])
+        averages = _keras_internals.moving_averages(optimizer)
+        assert averages[1] is None and averages[0] is not None
+        with _keras_internals.averaged_pairs_only(optimizer):
+            assert optimizer._trainable_variables == [plain]
+            assert optimizer._model_variables_moving_average == averages[:1]
+        assert list(optimizer._trainable_variables) == [plain, carrier]
+        assert _keras_internals.moving_averages(optimizer) == averages
+
     def test_private_attributes_read_by_helpers_exist(self):
         variable = keras.Variable(np.ones(2), dtype="float32", autocast=False)
         assert _keras_internals.stored_dtype(variable) == "float32"

@@ -3,8 +3,15 @@
 Keras's float8 layers keep their scales and amax histories in variables with
 `overwrite_with_gradient=True`. The pipeline sets them apart once
 (`split_overwritten`); the rest of `keras_mp.optimizers` asks
-`overwrites_with_gradient`. Imports nothing from keras_mp.
+`overwrites_with_gradient`. `install_ema_exclusion` keeps them out of
+Keras's `use_ema` on every backend. Imports only `_keras_internals`.
 """
+
+import functools
+
+import keras
+
+from keras_mp import _keras_internals
 
 
 def overwrites_with_gradient(variable):
@@ -30,3 +37,52 @@ def split_overwritten(grads_and_vars):
             pair
         )
     return regular, overwritten
+
+
+def install_ema_exclusion():
+    """Keeps Keras's EMA (`use_ema=True`) off overwriting variables.
+
+    Keras builds no moving average for a variable with
+    `overwrite_with_gradient` (None in its list), and its base class skips
+    those; its TensorFlow and JAX backends then assign every entry anyway:
+    "None values not supported" in TensorFlow's overwrite `Cond`, a
+    TypeError in JAX's. FP8 statistics carriers and Keras's float8 scales
+    and amax histories are such variables. Hooked once on
+    `keras.optimizers.Optimizer`, so plain optimizers and the ones inside
+    keras_mp's wrappers alike average, overwrite and finalize only the
+    other variables; an optimizer class that defines these methods itself
+    is left alone.
+    """
+    base = keras.optimizers.Optimizer
+    apply = base._backend_apply_gradients
+    if getattr(apply, "_keras_mp_hook", False):
+        return
+    finalize = base.finalize_variable_values
+
+    @functools.wraps(apply)
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        with _keras_internals.averaged_pairs_only(self):
+            return apply(self, grads, trainable_variables)
+
+    @functools.wraps(finalize)
+    def finalize_variable_values(self, var_list):
+        var_list = list(var_list)
+        if self.use_ema and self.built:
+            averages = _keras_internals.moving_averages(self)
+            if len(averages) == len(var_list):
+                # Matched by position, as Keras matches them; a list of
+                # another length reaches Keras's own error as it is.
+                var_list = [
+                    variable
+                    for variable, average in zip(var_list, averages)
+                    if average is not None
+                ]
+        with _keras_internals.averaged_pairs_only(self):
+            return finalize(self, var_list)
+
+    _backend_apply_gradients._keras_mp_hook = True
+    base._backend_apply_gradients = _backend_apply_gradients
+    base.finalize_variable_values = finalize_variable_values
+
+
+install_ema_exclusion()

@@ -174,8 +174,10 @@ class OptimizerWrapper(
         )
         # The base constructor made a learning rate and an iteration counter;
         # a wrapper uses the inner optimizer's, and stores the hyperparameters
-        # there too.
-        self._variables.clear()
+        # there too. The two stay in `_variables`, left out of `variables`:
+        # on TensorFlow that list is tracked, and `model.export` refuses a
+        # tracked list any element of which was removed.
+        self.__dict__["_unused_base_variables"] = len(self._variables)
         for key in delegation.BASE_HYPERPARAMETERS:
             self.__dict__.pop(key, None)
         self._inner_optimizer = optimizer
@@ -201,7 +203,7 @@ class OptimizerWrapper(
     def _own_variables(self):
         """Variables this wrapper adds (not the inner optimizer's)."""
         return (
-            self._variables[:]
+            self._variables[self._unused_base_variables :]
             + self._transforms.variables
             + self._state_precision_variables
         )
