@@ -132,6 +132,12 @@ def einsum_float32(equation, a, b, result_dtype="float32"):
     raise ValueError(f"Unsupported Keras backend: {backend!r}")
 
 
+def branches_on_host():
+    """Whether a branch on a tensor (`keras.ops.cond`) reads it on the
+    host: PyTorch, whose ops run one by one."""
+    return keras.backend.backend() == "torch"
+
+
 def amax(x, axis):
     """The largest `|x|` over `axis` (an int, a tuple, or None for every
     axis), kept as size-1 dimensions, float32; a NaN counts as inf.

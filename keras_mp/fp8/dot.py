@@ -37,13 +37,27 @@ def _operand(x, fmt, axes, margin, scale=None):
 
 def _delayed_scale(scaling, index, t, fmt, margin, rows):
     """The scale of tensor `index` of a delayed call (`delayed.pick`), or
-    None for current scaling. Its amax is kept in `rows` for `_observe`."""
+    None for current scaling. Its amax is kept in `rows` for `_observe`:
+    a side output of the step, which no cast waits for where the step is
+    compiled (JAX, TensorFlow): there the first step's current scale
+    reduces `t` again, inside its own branch, so the cast of a later step
+    reads the stored scale alone and XLA may fuse the amax beside it (one
+    read of `t`). PyTorch runs op by op: a branch would read the flag on
+    the host, so it selects, and reuses the amax."""
     if scaling is None:
         return None
     amax = fp8_backend.amax(t, None)
     rows.amaxes[index] = amax
-    current = scale_from_amax(amax, fmt, margin)
-    return delayed_module.pick(scaling, index, current)
+    if fp8_backend.branches_on_host():
+        current = lambda: scale_from_amax(amax, fmt, margin)  # noqa: E731
+    else:
+        current = lambda: scale_from_amax(  # noqa: E731
+            fp8_backend.amax(t, None), fmt, margin
+        )
+    scale = delayed_module.pick(
+        scaling, index, current, not fp8_backend.branches_on_host()
+    )
+    return ops.reshape(scale, ops.shape(amax))
 
 
 class _Rows(dict):
