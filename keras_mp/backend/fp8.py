@@ -5,9 +5,10 @@ JAX, accumulates in the operands' dtype. `einsum_float32` multiplies FP8
 codes exactly (a product of two FP8 values is exact in float32) and sums
 in float32, per backend:
 
-- JAX: `jnp.einsum` with `preferred_element_type=float32`, a
-  `lax.dot_general` on the FP8 operands themselves (XLA emits an FP8 GEMM
-  where the device has one; on CPU it upcasts exactly).
+- JAX: `jnp.einsum` with `preferred_element_type=float32` (bfloat16
+  where the caller casts the result to bfloat16), a `lax.dot_general` on
+  the FP8 operands themselves (XLA emits an FP8 GEMM where the device has
+  one; on CPU it upcasts exactly).
 - PyTorch: on CUDA, `torch._scaled_mm` for a 2-D product where its layout
   and size rules hold, otherwise the codes upcast to float32 and
   `torch.einsum`. On a CPU, where torch converts FP8 codes one value at a
@@ -16,7 +17,10 @@ in float32, per backend:
   float32 values onto the format's grid in float32 arithmetic (the values the
   codes would have, bit for bit), and the GEMM multiplies those.
 - TensorFlow: the codes upcast to float32 and `tf.einsum` (TensorFlow's
-  kernels reject FP8 operands; only casts take them).
+  kernels reject FP8 operands; only casts take them); under XLA to
+  bfloat16 where the result is cast to bfloat16, the pattern XLA's GPU
+  compiler makes an FP8 GEMM. Without XLA there is no FP8 GEMM (a
+  warning, once, where a GPU is visible).
 
 On a CPU the sums are float32 sums. A GPU's FP8 tensor cores (JAX's XLA,
 torch's `_scaled_mm`) accumulate with fewer bits: on an H100 the tests'
@@ -25,6 +29,8 @@ products were within 2.2e-3 of the sum of |products| (forward, E4M3 x E4M3:
 
 Imports nothing from keras_mp.
 """
+
+import warnings
 
 import keras
 
@@ -109,20 +115,27 @@ def einsum_float32(equation, a, b, result_dtype="float32"):
             and the operands are float32 values on the FP8 grid (PyTorch
             on a CPU), a 2-D product runs as a bfloat16 GEMM, which sums in
             float32 and rounds once to bfloat16, as the cast after it
-            would (FP8 values are exact in bfloat16). Defaults to
-            `"float32"`.
+            would (FP8 values are exact in bfloat16); on JAX, and on
+            TensorFlow under XLA, the GEMM returns bfloat16 (a float32 sum
+            rounded once). Defaults to `"float32"`.
 
     Returns:
         A float32 tensor, or a bfloat16 one as `result_dtype` allows.
     """
     backend = keras.backend.backend()
     if backend == "jax":
-        return _jax_einsum_float32(equation, a, b)
+        return _jax_einsum_float32(equation, a, b, result_dtype)
     if backend == "torch":
         return _torch_einsum_float32(equation, a, b, result_dtype)
     if backend == "tensorflow":
-        return _tensorflow_einsum_float32(equation, a, b)
+        return _tensorflow_einsum_float32(equation, a, b, result_dtype)
     raise ValueError(f"Unsupported Keras backend: {backend!r}")
+
+
+def branches_on_host():
+    """Whether a branch on a tensor (`keras.ops.cond`) reads it on the
+    host: PyTorch, whose ops run one by one."""
+    return keras.backend.backend() == "torch"
 
 
 def amax(x, axis):
@@ -169,15 +182,59 @@ def _tensorflow_read_tensor(x):
     return tf.convert_to_tensor(x)
 
 
-def _jax_einsum_float32(equation, a, b):
+def _jax_einsum_float32(equation, a, b, result_dtype):
     import jax.numpy as jnp
 
-    return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
+    # XLA sums in float32 and rounds once to a bfloat16 result (on a CPU
+    # bit for bit the float32 result rounded: tests/fp8_compiler_gemm_test
+    # .py); on a GPU, cuBLASLt's FP8 GEMM writes bfloat16 itself.
+    dtype = jnp.bfloat16 if result_dtype == "bfloat16" else jnp.float32
+    return jnp.einsum(equation, a, b, preferred_element_type=dtype)
 
 
-def _tensorflow_einsum_float32(equation, a, b):
+# Whether `_tensorflow_einsum_float32` said that TensorFlow without XLA has
+# no FP8 GEMM (once a process).
+_warned_no_xla = False
+
+
+def _tensorflow_has_gpu():
     import tensorflow as tf
 
+    return bool(tf.config.list_logical_devices("GPU"))
+
+
+def _in_xla():
+    """Whether TensorFlow is tracing for XLA (`jit_compile=True`)."""
+    import tensorflow as tf
+    from tensorflow.python.ops import control_flow_util
+
+    graph = tf.compat.v1.get_default_graph()
+    return control_flow_util.GraphOrParentsInXlaContext(graph)
+
+
+def _tensorflow_einsum_float32(equation, a, b, result_dtype):
+    import tensorflow as tf
+
+    global _warned_no_xla
+    if _in_xla():
+        # `dot(convert(f8), convert(f8))`, the form XLA's GPU GemmRewriter
+        # makes an FP8 GEMM, in the dtype of the result where that is
+        # bfloat16 (XLA sums it in float32 and rounds once).
+        dtype = tf.bfloat16 if result_dtype == "bfloat16" else tf.float32
+        return tf.einsum(equation, tf.cast(a, dtype), tf.cast(b, dtype))
+    if not _warned_no_xla and _tensorflow_has_gpu():
+        _warned_no_xla = True
+        warnings.warn(
+            "keras_mp FP8 on TensorFlow: there is no FP8 GEMM without XLA. "
+            "TensorFlow's kernels take no FP8 operands, so outside "
+            "`jit_compile=True` the FP8 codes are multiplied as float32 "
+            "(exact, but slower than bfloat16). Compile the model with "
+            "`model.compile(..., jit_compile=True)` (Keras turns XLA off "
+            "under tf.distribute), or use the JAX or PyTorch backend.",
+            stacklevel=4,
+        )
+    # Outside XLA the codes stay float32: oneDNN's bfloat16 matmul does
+    # not round its float32 sum once.
     return tf.einsum(equation, tf.cast(a, tf.float32), tf.cast(b, tf.float32))
 
 

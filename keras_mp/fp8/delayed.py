@@ -166,14 +166,28 @@ def unpack(packed):
     )
 
 
-def pick(scaling, index, current_scale):
+def pick(scaling, index, current, branch=True):
     """The scale of tensor `index` (0 input, 1 kernel, 2 output gradient):
     the current one on the first step, the delayed one after (times the
-    loss scale for the output gradient)."""
+    loss scale for the output gradient), as a scalar.
+
+    Args:
+        scaling: The call's `Scaling`.
+        index: 0, 1 or 2.
+        current: A function giving the current scale (any size-1 shape).
+        branch: Whether to compute it only on the first step
+            (`ops.cond`: a later step's scale then depends on the stored
+            scales alone), or on every step and select (`ops.where`: for
+            PyTorch, where a branch reads the flag on the host).
+    """
     delayed = scaling.scales[index]
     if index == 2:
         delayed = delayed * scaling.loss_scale
-    return ops.where(scaling.first, current_scale, delayed)
+    if not branch:
+        return ops.reshape(ops.where(scaling.first, current(), delayed), ())
+    return ops.cond(
+        scaling.first, lambda: ops.reshape(current(), ()), lambda: delayed
+    )
 
 
 def carrier_gradient(statistics, scaling):

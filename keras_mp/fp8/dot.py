@@ -37,13 +37,27 @@ def _operand(x, fmt, axes, margin, scale=None):
 
 def _delayed_scale(scaling, index, t, fmt, margin, rows):
     """The scale of tensor `index` of a delayed call (`delayed.pick`), or
-    None for current scaling. Its amax is kept in `rows` for `_observe`."""
+    None for current scaling. Its amax is kept in `rows` for `_observe`:
+    a side output of the step, which no cast waits for where the step is
+    compiled (JAX, TensorFlow): there the first step's current scale
+    reduces `t` again, inside its own branch, so the cast of a later step
+    reads the stored scale alone and XLA may fuse the amax beside it (one
+    read of `t`). PyTorch runs op by op: a branch would read the flag on
+    the host, so it selects, and reuses the amax."""
     if scaling is None:
         return None
     amax = fp8_backend.amax(t, None)
     rows.amaxes[index] = amax
-    current = scale_from_amax(amax, fmt, margin)
-    return delayed_module.pick(scaling, index, current)
+    if fp8_backend.branches_on_host():
+        current = lambda: scale_from_amax(amax, fmt, margin)  # noqa: E731
+    else:
+        current = lambda: scale_from_amax(  # noqa: E731
+            fp8_backend.amax(t, None), fmt, margin
+        )
+    scale = delayed_module.pick(
+        scaling, index, current, not fp8_backend.branches_on_host()
+    )
+    return ops.reshape(scale, ops.shape(amax))
 
 
 class _Rows(dict):
@@ -72,6 +86,15 @@ def _observe(rows, name, x, scale, fmt):
         )
 
 
+def _scaled(product, factor):
+    """A GEMM's product (float32, or bfloat16 where its result is cast to
+    bfloat16: `einsum_float32`) times float32 power-of-two scales, in
+    float32: exact wherever the result is a normal number, so a bfloat16
+    product gives the bits of the float32 one, rounded. Tensorwise scales
+    come as one factor (`sx * sw`: exact, and one pass less)."""
+    return ops.cast(product, "float32") * factor
+
+
 def _tensorwise(x, w, recipe, rows, dtypes, scaling=None):
     """One scale per tensor; the forward codes serve the backward GEMMs.
     With a delayed `scaling`, the scales are its own."""
@@ -82,17 +105,19 @@ def _tensorwise(x, w, recipe, rows, dtypes, scaling=None):
     cw, sw = _operand(w, forward, None, margin, sw)
     _observe(rows, "input", x, sx, forward)
     _observe(rows, "kernel", w, sw, forward)
-    out = fp8_backend.einsum_float32("mk,kn->mn", cx, cw, dtypes.out) * sx * sw
+    out = _scaled(
+        fp8_backend.einsum_float32("mk,kn->mn", cx, cw, dtypes.out), sx * sw
+    )
 
     def gradients(g):
         sg = _delayed_scale(scaling, 2, g, backward, margin, rows)
         cg, sg = _operand(g, backward, None, margin, sg)
         _observe(rows, "output_gradient", g, sg, backward)
-        dx = (
-            fp8_backend.einsum_float32("mn,kn->mk", cg, cw, dtypes.dx) * sg * sw
+        dx = _scaled(
+            fp8_backend.einsum_float32("mn,kn->mk", cg, cw, dtypes.dx), sg * sw
         )
-        dw = (
-            fp8_backend.einsum_float32("mk,mn->kn", cx, cg, dtypes.dw) * sx * sg
+        dw = _scaled(
+            fp8_backend.einsum_float32("mk,mn->kn", cx, cg, dtypes.dw), sx * sg
         )
         return dx, dw
 
@@ -107,18 +132,19 @@ def _rowwise(x, w, recipe, rows, dtypes):
     cw, sw = _operand(w, forward, 0, margin)  # (1, N)
     _observe(rows, "input", x, sx, forward)
     _observe(rows, "kernel", w, sw, forward)
-    out = fp8_backend.einsum_float32("mk,kn->mn", cx, cw, dtypes.out) * sx * sw
+    product = fp8_backend.einsum_float32("mk,kn->mn", cx, cw, dtypes.out)
+    out = _scaled(product, sx) * sw
 
     def gradients(g):
         cg, sg = _operand(g, backward, 1, margin)  # (M, 1)
         _observe(rows, "output_gradient", g, sg, backward)
         cw_n, sw_n = _operand(w, forward, 1, margin)  # (K, 1)
         dx = fp8_backend.einsum_float32("mn,kn->mk", cg, cw_n, dtypes.dx)
-        dx = dx * sg * ops.transpose(sw_n)
+        dx = _scaled(dx, sg) * ops.transpose(sw_n)
         cx_m, sx_m = _operand(x, forward, 0, margin)  # (1, K)
         cg_m, sg_m = _operand(g, backward, 0, margin)  # (1, N)
         dw = fp8_backend.einsum_float32("mk,mn->kn", cx_m, cg_m, dtypes.dw)
-        dw = dw * ops.transpose(sx_m) * sg_m
+        dw = _scaled(dw, ops.transpose(sx_m)) * sg_m
         return dx, dw
 
     return out, gradients

@@ -1,0 +1,934 @@
+"""FP8 against 16-bit on a GPU, every section of issue 32 in one process.
+
+`benchmarks/gpu/run.sh` runs this once per backend (torch, then jax) on a
+GPU machine with no Keras and no package index; `--smoke` runs every
+section at toy sizes on the CPU (`tests/gpu_benchmark_test.py`), so the
+script cannot rot between GPU runs. Sections:
+
+- (a) `gemm`: the GEMM ceiling, bfloat16 against FP8 codes (E4M3 x E4M3)
+  at 8192^3, (8192, 4096, 16384), (8192, 16384, 4096), (1024, 2048,
+  1024); FP8 with a float32 and a bfloat16 result, and on torch with fast
+  accumulation.
+- (b) `quantize`: GB/s of an 8192^2 bfloat16 tensor made E4M3 codes
+  (amax, scale, cast), and made codes in the transposed layout too, per
+  candidate path (bytes = the bfloat16 input read once).
+- (c) `dot`: `keras_mp.fp8.dot` forward + backward against a bfloat16
+  matmul's, at (M, K, N) = (8192, 4096, 16384).
+- (d) `decoder`: a pre-LN GPT decoder training step (d=4096, 4 layers,
+  32 heads, sequence 2048, batch 8: 16k tokens; vocabulary 8192; inputs
+  on the device) under mixed_bfloat16, and FP8 current tensorwise,
+  delayed tensorwise and current rowwise, with peak memory.
+- (e) `policies`: the same decoder at d=1024 (2 layers) in float32,
+  mixed_bfloat16 and mixed_float16, with Keras alone (timed before
+  keras_mp is imported) and with keras_mp; mixed_bfloat16 with
+  `keras_mp.LossScaleOptimizer` against the plain optimizer; on torch,
+  host syncs per step (`keras_mp.testing.count_host_syncs`; Keras's
+  `train_on_batch` reads its loss, so 1 is the floor).
+- (f) `hlo` (JAX only): the compiled FP8 decoder step's optimized HLO:
+  FP8 GEMM custom calls, float16 GEMMs, float32-output GEMMs, FP8
+  transposes; and the FP8 dots before optimization.
+
+Each section has a share of `--budget` seconds (what a section leaves
+unused passes on) and checks it between measurements: a section out of
+time stops, keeps what it measured, and says so; a section that fails
+records its error (`--smoke` re-raises it). Results go to
+`$OUT/<backend>.json` after every section; `--table` merges the JSON files
+of a directory into `table.md`.
+
+    KERAS_BACKEND=jax python benchmarks/gpu/fp8_speed.py --out /tmp/out
+    KERAS_BACKEND=torch python benchmarks/gpu/fp8_speed.py --smoke
+    python benchmarks/gpu/fp8_speed.py --table /tmp/out
+"""
+
+import argparse
+import gc
+import json
+import os
+import pathlib
+import re
+import statistics
+import sys
+import time
+import traceback
+
+# Where the decoder's sizes come from: full run / --smoke.
+SIZES = {
+    "gemm": (
+        [
+            (8192, 8192, 8192),
+            (8192, 4096, 16384),
+            (8192, 16384, 4096),
+            (1024, 2048, 1024),
+        ],
+        [(32, 48, 64), (16, 32, 16)],
+    ),
+    "quantize": (8192, 64),
+    "dot": ((8192, 4096, 16384), (32, 48, 64)),
+    # d, heads, layers, sequence, batch, vocabulary
+    "decoder": ((4096, 32, 4, 2048, 8, 8192), (32, 2, 1, 16, 2, 64)),
+    "policies": ((1024, 8, 2, 2048, 8, 8192), (32, 2, 1, 16, 2, 64)),
+}
+# Share of the budget per section.
+WEIGHTS = {
+    "gemm": 20,
+    "quantize": 15,
+    "dot": 20,
+    "decoder": 90,
+    "policies": 45,
+    "hlo": 15,
+}
+SECTIONS = tuple(WEIGHTS)
+LETTERS = dict(zip("abcdef", SECTIONS))
+# Rounds of each measurement (full run / --smoke) and calls per round.
+ROUNDS = (7, 2)
+CALLS = (10, 1)
+STEPS = (5, 1)  # timed decoder steps per variant
+WARMUP = (2, 1)
+
+
+class OutOfTime(Exception):
+    """A section's budget ran out."""
+
+
+class Clock:
+    """One section's deadline."""
+
+    def __init__(self, seconds):
+        self.deadline = time.monotonic() + seconds
+
+    def check(self, what=""):
+        if time.monotonic() > self.deadline:
+            raise OutOfTime(what)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="toy sizes on any device, errors re-raised",
+    )
+    parser.add_argument(
+        "--out",
+        default=os.environ.get("OUT", "."),
+        help="directory of the JSON (default: $OUT or .)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds for all sections (default 200; 900 with --smoke)",
+    )
+    parser.add_argument(
+        "--sections",
+        default="abcdef",
+        help="letters of the sections to run (default all)",
+    )
+    parser.add_argument(
+        "--table",
+        metavar="DIR",
+        default=None,
+        help="only merge DIR/*.json into DIR/table.md",
+    )
+    args = parser.parse_args(argv)
+    if args.budget is None:
+        args.budget = 900.0 if args.smoke else 200.0
+    unknown = set(args.sections) - set(LETTERS)
+    if unknown:
+        parser.error(
+            f"--sections takes letters of {''.join(LETTERS)}. "
+            f"Received: {args.sections!r}"
+        )
+    return args
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def backend():
+    import keras
+
+    return keras.backend.backend()
+
+
+def synchronize(value=None):
+    if backend() == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    elif value is not None:
+        import jax
+
+        jax.block_until_ready(value)
+
+
+def on_gpu():
+    if backend() == "torch":
+        import torch
+
+        return torch.cuda.is_available()
+    import jax
+
+    return jax.devices()[0].platform == "gpu"
+
+
+def describe_device():
+    if backend() == "torch":
+        import torch
+
+        name = (
+            torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        )
+        return f"{name} (torch {torch.__version__})"
+    import jax
+
+    return f"{jax.devices()[0].device_kind} (jax {jax.__version__})"
+
+
+def paired(functions, clock, smoke):
+    """ABAB rounds of `functions` ({name: fn}, the first the baseline):
+    {name: median ms per call}, {name: median per-round ratio baseline /
+    name}. Each function is called twice first (compilation, warm-up)."""
+    rounds, calls = ROUNDS[smoke], CALLS[smoke]
+    for fn in functions.values():
+        synchronize(fn())
+        synchronize(fn())
+        clock.check("warm-up")
+    times = {name: [] for name in functions}
+    names = list(functions)
+    for index in range(rounds):
+        order = names if index % 2 == 0 else names[::-1]
+        for name in order:
+            start = time.perf_counter()
+            for _ in range(calls):
+                out = functions[name]()
+            synchronize(out)
+            times[name].append((time.perf_counter() - start) / calls)
+        if index and time.monotonic() > clock.deadline:
+            break  # two rounds measured: keep them
+    base = names[0]
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    ratios = {
+        name: statistics.median(b / t for b, t in zip(times[base], times[name]))
+        for name in names[1:]
+    }
+    return ms, ratios
+
+
+def rows_of(section, item, ms, ratios, note="", **extra):
+    return [
+        {
+            "section": section,
+            "item": item,
+            "ms": ms,
+            "ratios": ratios,
+            "note": note,
+            **extra,
+        }
+    ]
+
+
+def _jit(fn):
+    if backend() == "jax":
+        import jax
+
+        return jax.jit(fn)
+    return fn
+
+
+def _normal(shape, seed, dtype="bfloat16", scale=1.0):
+    import keras
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    value = rng.standard_normal(shape, dtype="float32") * scale
+    return keras.ops.convert_to_tensor(value, dtype)
+
+
+# ------------------------------------------------------------- (a) GEMMs
+
+
+def _fp8_gemm_functions(a, b):
+    """{name: fn} of the FP8 products of the bf16 operands' codes."""
+    if backend() == "torch":
+        import torch
+
+        a8 = a.to(torch.float8_e4m3fn).contiguous()
+        # Column-major B: the layout cuBLASLt's FP8 GEMM takes.
+        b8 = b.to(torch.float8_e4m3fn).t().contiguous().t()
+        one = torch.ones((), device=a.device)
+
+        def make(out_dtype, fast):
+            return lambda: torch._scaled_mm(
+                a8, b8, one, one, out_dtype=out_dtype, use_fast_accum=fast
+            )
+
+        return {
+            "fp8_f32": make(torch.float32, False),
+            "fp8_bf16": make(torch.bfloat16, False),
+            "fp8_bf16_fast": make(torch.bfloat16, True),
+        }
+    import jax
+    import jax.numpy as jnp
+
+    a8, b8 = a.astype(jnp.float8_e4m3fn), b.astype(jnp.float8_e4m3fn)
+
+    def make(dtype):
+        f = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=dtype))
+        return lambda: f(a8, b8)
+
+    return {"fp8_f32": make(jnp.float32), "fp8_bf16": make(jnp.bfloat16)}
+
+
+def section_gemm(clock, smoke):
+    import keras
+
+    rows = []
+    for m, k, n in SIZES["gemm"][smoke]:
+        clock.check(f"GEMM {m}x{k}x{n}")
+        a, b = _normal((m, k), 0), _normal((k, n), 1)
+        matmul = _jit(keras.ops.matmul)
+        functions = {"bf16": lambda a=a, b=b, f=matmul: f(a, b)}
+        functions.update(_fp8_gemm_functions(a, b))
+        ms, ratios = paired(functions, clock, smoke)
+        tflops = {name: 2 * m * k * n / t / 1e9 for name, t in ms.items()}
+        rows += rows_of(
+            "a",
+            f"GEMM {m}x{k}x{n}",
+            ms,
+            ratios,
+            tflops={n: round(v, 1) for n, v in tflops.items()},
+        )
+    return rows
+
+
+# --------------------------------------------------------- (b) quantize
+
+
+def _quantize_functions(x):
+    """{name: fn}: ways to make E4M3 codes of `x` (and their transpose)."""
+    import keras_mp
+
+    if backend() == "torch":
+        import torch
+
+        def quantize():
+            return keras_mp.fp8.quantize(x)[0]
+
+        def quantize_t():
+            codes = keras_mp.fp8.quantize(x)[0]
+            return codes, codes.t().contiguous()
+
+        def torch_cast_t():
+            amax = torch.amax(torch.abs(x)).float()
+            y = (x.float() / (amax / 448.0)).clamp(-448, 448)
+            codes = y.to(torch.float8_e4m3fn)
+            return codes, codes.t().contiguous()
+
+        def empty_strided_t():
+            amax = torch.amax(torch.abs(x)).float()
+            y = (x.float() / (amax / 448.0)).clamp(-448, 448)
+            rows, cols = y.shape
+            col = torch.empty_strided(
+                (rows, cols),
+                (1, rows),
+                dtype=torch.float8_e4m3fn,
+                device=y.device,
+            )
+            col.copy_(y)
+            return y.to(torch.float8_e4m3fn), col
+
+        functions = {
+            "keras_mp_cast": quantize,
+            "keras_mp_cast_t": quantize_t,
+            "torch_cast_t": torch_cast_t,
+            "empty_strided_t": empty_strided_t,
+        }
+        if torch.cuda.is_available():
+            both = torch.compile(torch_cast_t, fullgraph=True)
+            functions["compiled_cast_t"] = both
+        return functions
+    import jax
+
+    cast = jax.jit(lambda t: keras_mp.fp8.quantize(t)[0])
+
+    def both(t):
+        codes = keras_mp.fp8.quantize(t)[0]
+        return codes, codes.T
+
+    both = jax.jit(both)
+    return {
+        "keras_mp_cast": lambda: cast(x),
+        "keras_mp_cast_t": lambda: both(x),
+    }
+
+
+def section_quantize(clock, smoke):
+    size = SIZES["quantize"][smoke]
+    x = _normal((size, size), 2)
+    functions = _quantize_functions(x)
+    names = list(functions)
+    # The first is the baseline of the ratios; times are what matter.
+    ms, ratios = paired(functions, clock, smoke)
+    gbs = {name: size * size * 2 / (ms[name] * 1e-3) / 1e9 for name in names}
+    note = (
+        ""
+        if on_gpu() or backend() != "torch"
+        else ("torch.compile path: CUDA only")
+    )
+    return rows_of(
+        "b",
+        f"quantize {size}x{size} bf16",
+        ms,
+        ratios,
+        note,
+        gb_per_s={n: round(v, 1) for n, v in gbs.items()},
+    )
+
+
+# ----------------------------------------------------------- (c) fp8.dot
+
+
+def _dot_functions(m, k, n):
+    import keras
+
+    import keras_mp
+
+    x = _normal((m, k), 3)
+    w = _normal((k, n), 4, "float32", 0.01)
+    recipes = {
+        "fp8_tensorwise": keras_mp.fp8.Recipe(),
+        "fp8_rowwise": keras_mp.fp8.Recipe(granularity="rowwise"),
+    }
+    if backend() == "jax":
+        import jax
+
+        def loss_bf16(x, w):
+            return keras.ops.sum(
+                keras.ops.matmul(x, keras.ops.cast(w, x.dtype))
+            )
+
+        functions = {"bf16": loss_bf16}
+        for name, recipe in recipes.items():
+            functions[name] = lambda x, w, r=recipe: keras.ops.sum(
+                keras_mp.fp8.dot(x, w, r, output_dtype="bfloat16")
+            )
+        grads = {
+            name: jax.jit(jax.grad(f, argnums=(0, 1)))
+            for name, f in functions.items()
+        }
+        return {name: (lambda g=g: g(x, w)) for name, g in grads.items()}
+    import torch
+
+    x = x.detach().requires_grad_(True)
+    w = w.detach().requires_grad_(True)
+
+    def bf16():
+        y = torch.matmul(x, w.to(torch.bfloat16))
+        return torch.autograd.grad(y.sum(), (x, w))
+
+    functions = {"bf16": bf16}
+    for name, recipe in recipes.items():
+
+        def fp8(recipe=recipe):
+            y = keras_mp.fp8.dot(x, w, recipe, output_dtype="bfloat16")
+            return torch.autograd.grad(y.sum(), (x, w))
+
+        functions[name] = fp8
+    return functions
+
+
+def section_dot(clock, smoke):
+    m, k, n = SIZES["dot"][smoke]
+    ms, ratios = paired(_dot_functions(m, k, n), clock, smoke)
+    return rows_of("c", f"fp8.dot fwd+bwd {m}x{k}x{n}", ms, ratios)
+
+
+# ----------------------------------------------------- (d, e) decoder
+
+
+def decoder(d, heads, layers, seq, vocab):
+    """A pre-LN GPT decoder of Keras layers (no biases, no dropout)."""
+    import keras
+    from keras import ops
+
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.norm_1 = keras.layers.LayerNormalization(epsilon=1e-5)
+            self.qkv = keras.layers.Dense(3 * d, use_bias=False)
+            self.out = keras.layers.Dense(d, use_bias=False)
+            self.norm_2 = keras.layers.LayerNormalization(epsilon=1e-5)
+            self.up = keras.layers.Dense(
+                4 * d, use_bias=False, activation="gelu"
+            )
+            self.down = keras.layers.Dense(d, use_bias=False)
+
+        def call(self, x):
+            batch = ops.shape(x)[0]
+            qkv = ops.reshape(
+                self.qkv(self.norm_1(x)), (batch, seq, 3, heads, d // heads)
+            )
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+            attended = ops.dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.out(ops.reshape(attended, (batch, seq, d)))
+            return x + self.down(self.up(self.norm_2(x)))
+
+    tokens = keras.Input((seq,), dtype="int32")
+    x = keras.layers.Embedding(vocab, d)(tokens)
+    for _ in range(layers):
+        x = Block()(x)
+    x = keras.layers.LayerNormalization(epsilon=1e-5)(x)
+    logits = keras.layers.Dense(vocab, use_bias=False, name="head")(x)
+    return keras.Model(tokens, logits)
+
+
+def build_decoder(
+    sizes, policy, recipe=None, keras_alone=False, loss_scale_optimizer=False
+):
+    """The decoder, compiled with Adam, under `policy` (and `recipe`)."""
+    import keras
+
+    d, heads, layers, seq, _, vocab = sizes
+    keras.utils.set_random_seed(0)
+    if keras_alone:
+        keras.mixed_precision.set_global_policy(policy)
+    else:
+        import keras_mp
+
+        keras_mp.set_global_policy(policy, fp8=recipe)
+    try:
+        model = decoder(d, heads, layers, seq, vocab)
+        optimizer = keras.optimizers.Adam(1e-4)
+        if loss_scale_optimizer:
+            import keras_mp
+
+            optimizer = keras_mp.LossScaleOptimizer(optimizer)
+        model.compile(
+            optimizer,
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    finally:
+        if keras_alone:
+            keras.mixed_precision.set_global_policy("float32")
+        else:
+            keras_mp.set_global_policy(None)
+    return model
+
+
+def device_batch(sizes):
+    """Token ids and targets made once, on the device."""
+    import keras
+    import numpy as np
+
+    _, _, _, seq, batch, vocab = sizes
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, vocab, size=(batch, seq + 1), dtype="int32")
+    x = keras.ops.convert_to_tensor(ids[:, :-1])
+    y = keras.ops.convert_to_tensor(ids[:, 1:])
+    return x, y
+
+
+def reset_peak():
+    if backend() == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib():
+    """Peak device memory since `reset_peak` (torch), or since the start
+    (JAX's `peak_bytes_in_use`); None where the device says nothing."""
+    if backend() == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.max_memory_allocated() / 2**30
+        return None
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else peak / 2**30
+
+
+def time_steps(model, batch, clock, smoke, count_syncs=False):
+    """(median ms per `train_on_batch` step, peak GiB, host syncs/step)."""
+    x, y = batch
+    reset_peak()
+    for _ in range(WARMUP[smoke]):
+        model.train_on_batch(x, y)
+        clock.check("warm-up")
+    times, syncs = [], None
+    for _ in range(STEPS[smoke]):
+        start = time.perf_counter()
+        model.train_on_batch(x, y)
+        times.append(time.perf_counter() - start)
+        if time.monotonic() > clock.deadline:
+            break
+    if count_syncs and backend() == "torch":
+        from keras_mp.testing import count_host_syncs
+
+        with count_host_syncs() as counts:
+            model.train_on_batch(x, y)
+        syncs = sum(counts.values())
+    return statistics.median(times) * 1e3, peak_gib(), syncs
+
+
+def _free(model):
+    del model
+    gc.collect()
+    if backend() == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def section_decoder(clock, smoke):
+    import keras_mp
+
+    sizes = SIZES["decoder"][smoke]
+    batch = device_batch(sizes)
+    recipes = {
+        "bf16": None,
+        "fp8_current": keras_mp.fp8.Recipe(),
+        "fp8_delayed": keras_mp.fp8.Recipe(scaling="delayed"),
+        "fp8_rowwise": keras_mp.fp8.Recipe(granularity="rowwise"),
+    }
+    if smoke:
+        # The variants differ only in their recipe: two keep the path alive.
+        recipes = {n: recipes[n] for n in ("bf16", "fp8_delayed")}
+    ms, peaks, fp8_layers = {}, {}, {}
+    note = ""
+    # One model at a time (four d=4096 models and their Adam state do not
+    # fit beside each other's activations): sequential, not ABAB.
+    for name, recipe in recipes.items():
+        try:
+            clock.check("build")
+            model = build_decoder(sizes, "mixed_bfloat16", recipe)
+            ms[name], peaks[name], _ = time_steps(model, batch, clock, smoke)
+            fp8_layers[name] = sum(
+                getattr(layer.dtype_policy, "fp8", None) is not None
+                for layer in model._flatten_layers(include_self=False)
+            )
+            _free(model)
+        except OutOfTime:
+            note = f"out of time before {name}"
+            break
+    ratios = {name: ms["bf16"] / t for name, t in ms.items() if name != "bf16"}
+    d, heads, layers, seq, b, vocab = sizes
+    return rows_of(
+        "d",
+        f"decoder d={d} L={layers} T={seq * b} V={vocab}",
+        ms,
+        ratios,
+        note,
+        peak_gib={
+            n: (None if v is None else round(v, 2)) for n, v in peaks.items()
+        },
+        fp8_layers=fp8_layers,
+    )
+
+
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+
+
+def policies_keras_alone(clock, smoke):
+    """Keras alone: timed before keras_mp is imported."""
+    assert "keras_mp" not in sys.modules, "keras_mp was imported already"
+    sizes = SIZES["policies"][smoke]
+    batch = device_batch(sizes)
+    ms = {}
+    for policy in POLICIES[1:2] if smoke else POLICIES:
+        clock.check("build")
+        model = build_decoder(sizes, policy, keras_alone=True)
+        ms[f"keras_{policy}"] = time_steps(model, batch, clock, smoke)[0]
+        _free(model)
+    return ms
+
+
+def section_policies(clock, smoke, keras_ms):
+    sizes = SIZES["policies"][smoke]
+    batch = device_batch(sizes)
+    ms, syncs = {}, {}
+    policies = POLICIES[1:2] if smoke else POLICIES
+    variants = [(p, p, False) for p in policies]
+    variants.append(("mixed_bfloat16_lso", "mixed_bfloat16", True))
+    for name, policy, lso in variants:
+        clock.check("build")
+        model = build_decoder(sizes, policy, loss_scale_optimizer=lso)
+        ms[name], _, syncs[name] = time_steps(
+            model, batch, clock, smoke, count_syncs=True
+        )
+        _free(model)
+    ratios = {}
+    for policy in policies:
+        if f"keras_{policy}" in keras_ms:
+            # keras_mp's step time over Keras alone's (1.00: no overhead).
+            ratios[f"{policy}_vs_keras"] = (
+                ms[policy] / keras_ms[f"keras_{policy}"]
+            )
+    ratios["lso_vs_plain"] = ms["mixed_bfloat16_lso"] / ms["mixed_bfloat16"]
+    d, _, layers, seq, b, _ = sizes
+    note = "keras_mp / Keras alone: above 1 is slower; Keras alone ran first"
+    return rows_of(
+        "e",
+        f"policies d={d} L={layers} T={seq * b}",
+        {**keras_ms, **ms},
+        ratios,
+        note,
+        host_syncs_per_step=syncs if backend() == "torch" else None,
+    )
+
+
+# ---------------------------------------------------------------- (f) HLO
+
+# A dot or GEMM custom call of the optimized HLO, its output type first.
+_GEMM = re.compile(r"=\s*\(?(\w+)\[[^=]*?(custom-call|dot)\(([^)]*)\)(.*)$")
+
+
+def audit(text):
+    """Counts of the GEMMs in an optimized HLO module's text."""
+    counts = {
+        "fp8_gemm": 0,
+        "f16_gemm": 0,
+        "f32_output_gemm": 0,
+        "bf16_output_gemm": 0,
+        "other_gemm": 0,
+        "f8_transpose": 0,
+    }
+    for line in text.splitlines():
+        if "transpose(" in line and re.search(r"=\s*f8\w*\[", line):
+            counts["f8_transpose"] += 1
+        match = _GEMM.search(line)
+        if match is None:
+            continue
+        out, kind, operands, rest = match.groups()
+        if kind == "custom-call" and not re.search(
+            r'custom_call_target="[^"]*(gemm|matmul)', rest
+        ):
+            continue
+        if "f8" in operands or "$f8" in rest:
+            counts["fp8_gemm"] += 1
+        elif "f16[" in operands and "bf16[" not in operands:
+            counts["f16_gemm"] += 1
+        else:
+            counts["other_gemm"] += 1
+        if out == "f32":
+            counts["f32_output_gemm"] += 1
+        elif out == "bf16":
+            counts["bf16_output_gemm"] += 1
+    return counts
+
+
+def section_hlo(clock, smoke):
+    if backend() != "jax":
+        return rows_of("f", "HLO audit", {}, {}, "JAX only: skipped")
+    import jax
+    import keras
+
+    import keras_mp
+
+    sizes = SIZES["decoder"][smoke]
+    d, heads, _, seq, b, vocab = sizes
+    # One layer is enough: every layer compiles alike.
+    sizes = (d, heads, 1, seq, b, vocab)
+    model = build_decoder(sizes, "mixed_bfloat16", keras_mp.fp8.Recipe())
+    optimizer = model.optimizer
+    optimizer.build(model.trainable_variables)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x, y = device_batch(sizes)
+
+    def step(trainable, non_trainable, optimizer_state, x, y):
+        def loss_fn(trainable):
+            logits, updated = model.stateless_call(
+                trainable, non_trainable, x, training=True
+            )
+            return loss(y, logits), updated
+
+        (value, updated), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            trainable
+        )
+        trainable, optimizer_state = optimizer.stateless_apply(
+            optimizer_state, grads, trainable
+        )
+        return value, trainable, updated, optimizer_state
+
+    state = (
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+        [v.value for v in optimizer.variables],
+    )
+    lowered = jax.jit(step).lower(*state, x, y)
+    clock.check("lowered")
+    before = lowered.as_text()
+    f8_dots = len(re.findall(r"dot_general.*f8E4M3FN", before))
+    compiled = lowered.compile()
+    counts = audit(compiled.as_text())
+    gemm_layers = 4  # qkv, out, up, down
+    counts["fp8_dots_before_optimization"] = f8_dots
+    counts["expected_fp8_gemms"] = 3 * gemm_layers
+    note = (
+        "CPU: XLA upcasts FP8 dots, no GEMM custom calls"
+        if not on_gpu()
+        else ""
+    )
+    _free(model)
+    return rows_of(
+        "f",
+        "HLO audit, FP8 decoder step (1 layer)",
+        {},
+        {},
+        note,
+        counts=counts,
+    )
+
+
+# ------------------------------------------------------------------ main
+
+RUNNERS = {
+    "gemm": section_gemm,
+    "quantize": section_quantize,
+    "dot": section_dot,
+    "decoder": section_decoder,
+    "hlo": section_hlo,
+}
+
+
+def run(args):
+    start = time.monotonic()
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = os.environ.get("KERAS_BACKEND", "tensorflow")
+    wanted = [LETTERS[letter] for letter in sorted(set(args.sections))]
+    result = {"backend": name, "smoke": args.smoke, "sections": {}}
+    path = out_dir / f"{name}.json"
+
+    def remaining():
+        return args.budget - (time.monotonic() - start)
+
+    def share(section, rest):
+        weight = sum(WEIGHTS[s] for s in rest)
+        return max(remaining(), 0.0) * WEIGHTS[section] / weight
+
+    def record(section, rows, status, seconds):
+        result["sections"][section] = {
+            "status": status,
+            "rows": rows,
+            "seconds": round(seconds, 1),
+        }
+        path.write_text(json.dumps(result, indent=1, default=str))
+        print(f"[{section}] {status} in {seconds:.1f} s", flush=True)
+        for row in rows:
+            print(f"  {json.dumps(row, default=str)}", flush=True)
+
+    keras_ms = {}
+    if "policies" in wanted:
+        # Keras alone first, before keras_mp is imported.
+        begun = time.monotonic()
+        clock = Clock(share("policies", wanted) / 2)
+        try:
+            keras_ms = policies_keras_alone(clock, args.smoke)
+        except OutOfTime:
+            print("[policies] Keras alone: out of time", flush=True)
+        except Exception:
+            if args.smoke:
+                raise
+            traceback.print_exc()
+        WEIGHTS["policies"] /= 2
+        print(
+            f"[policies] Keras alone {time.monotonic() - begun:.1f} s",
+            flush=True,
+        )
+    import keras_mp  # noqa: F401 (the hooks, from here on)
+
+    result["device"] = describe_device()
+    print(f"# {result['device']}", flush=True)
+    for index, section in enumerate(wanted):
+        begun = time.monotonic()
+        seconds = share(section, wanted[index:])
+        if seconds < 1.0:
+            record(section, [], "skipped: no time left", 0.0)
+            continue
+        clock = Clock(seconds)
+        try:
+            if section == "policies":
+                rows = section_policies(clock, args.smoke, keras_ms)
+            else:
+                rows = RUNNERS[section](clock, args.smoke)
+            status = "ok"
+        except OutOfTime as error:
+            rows, status = [], f"skipped: out of time ({seconds:.0f} s) at "
+            status += str(error)
+        except Exception as error:
+            if args.smoke:
+                raise
+            traceback.print_exc()
+            rows, status = [], f"failed: {type(error).__name__}: {error}"
+        record(section, rows, status, time.monotonic() - begun)
+    return result
+
+
+def _format(value):
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def _pairs(mapping):
+    return ", ".join(f"{k} {_format(v)}" for k, v in mapping.items())
+
+
+def table(directory):
+    """One markdown table of every `<backend>.json` in `directory`."""
+    directory = pathlib.Path(directory)
+    lines = [
+        "| backend | device | section | item | ms | bf16/x (or "
+        "keras_mp/Keras) | more | status |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for path in sorted(directory.glob("*.json")):
+        result = json.loads(path.read_text())
+        device = result.get("device", "?")
+        for section, entry in result["sections"].items():
+            rows = entry["rows"] or [{"item": "", "ms": {}, "ratios": {}}]
+            for row in rows:
+                extra = {
+                    k: v
+                    for k, v in row.items()
+                    if k not in ("section", "item", "ms", "ratios", "note")
+                }
+                more = "; ".join(
+                    f"{k}: {_pairs(v) if isinstance(v, dict) else _format(v)}"
+                    for k, v in extra.items()
+                    if v is not None
+                )
+                if row.get("note"):
+                    more = f"{more}; {row['note']}" if more else row["note"]
+                lines.append(
+                    f"| {result['backend']} | {device} | {section} | "
+                    f"{row['item']} | {_pairs(row['ms'])} | "
+                    f"{_pairs(row['ratios'])} | {more} | {entry['status']} |"
+                )
+    text = "\n".join(lines) + "\n"
+    (directory / "table.md").write_text(text)
+    return text
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.table is not None:
+        print(table(args.table))
+        return
+    result = run(args)
+    print(table(args.out))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The one prepared GPU run of issue 32 (at most 8 minutes, set-up included).
+#
+# On a GPU machine whose image has PyTorch and JAX but no Keras and no
+# package index, from the repository root, with the wheelhouse of
+# `wheelhouse.sh` carried in `.whl/`:
+#
+#     bash benchmarks/gpu/run.sh            # results in $OUT (default ./gpu_out)
+#
+# 1. Installs what the image lacks from `.whl/` (`pip install --no-index
+#    --find-links`, into a temporary folder put on PYTHONPATH): keras, its
+#    dependencies, and keras_mp's own wheel.
+# 2. Runs `fp8_speed.py` once per backend (torch, then jax), each in one
+#    process with its own time budget; a section out of time is skipped
+#    and says so. `timeout` stops a process that overruns its budget by a
+#    minute: the JSON written after each section survives.
+# 3. Writes `$OUT/<backend>.json`, `$OUT/<backend>.log` and `$OUT/table.md`
+#    (one markdown table with the device's name), and prints the table.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT"
+OUT="${OUT:-$ROOT/gpu_out}"
+WHEELS="${WHEELS:-$ROOT/.whl}"
+PYTHON="${PYTHON:-python3}"
+TORCH_BUDGET="${TORCH_BUDGET:-170}"
+JAX_BUDGET="${JAX_BUDGET:-230}"
+mkdir -p "$OUT"
+START=$SECONDS
+
+SITE="$(mktemp -d /tmp/keras_mp_site.XXXXXX)"
+# Only the distributions the image lacks: the image's numpy and ml_dtypes
+# (which its JAX and PyTorch were built against) stay as they are.
+MISSING="$("$PYTHON" - "$WHEELS" <<'PY'
+import importlib.metadata as metadata
+import pathlib
+import sys
+
+missing = []
+for wheel in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
+    name = wheel.name.split("-")[0]
+    try:
+        metadata.version(name)
+    except metadata.PackageNotFoundError:
+        missing.append(str(wheel))
+print(" ".join(missing))
+PY
+)"
+if [ -n "$MISSING" ]; then
+  # shellcheck disable=SC2086
+  "$PYTHON" -m pip install --quiet --no-index --find-links "$WHEELS" \
+    --no-deps --target "$SITE" $MISSING || exit 1
+fi
+# The checkout first: its keras_mp is the one measured (the wheel proves
+# the package installs; a stale one cannot shadow the source).
+export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export TF_CPP_MIN_LOG_LEVEL=2
+"$PYTHON" -c 'import keras, keras_mp; print("keras", keras.__version__, "keras_mp from", keras_mp.__file__)'
+echo "install: $((SECONDS - START)) s"
+
+for pair in "torch:$TORCH_BUDGET" "jax:$JAX_BUDGET"; do
+  backend="${pair%%:*}"
+  budget="${pair##*:}"
+  echo "== $backend (budget $budget s)"
+  KERAS_BACKEND="$backend" timeout "$((budget + 60))" "$PYTHON" \
+    benchmarks/gpu/fp8_speed.py --out "$OUT" --budget "$budget" \
+    >"$OUT/$backend.log" 2>&1
+  echo "$backend exit $? after $((SECONDS - START)) s"
+  grep -E '^\[|^# ' "$OUT/$backend.log"
+done
+"$PYTHON" benchmarks/gpu/fp8_speed.py --table "$OUT"
+echo "total: $((SECONDS - START)) s"

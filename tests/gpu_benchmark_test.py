@@ -1,0 +1,100 @@
+"""`benchmarks/gpu/`: the prepared GPU run cannot rot between GPU runs.
+
+`fp8_speed.py --smoke` runs its sections at toy sizes on the CPU, errors
+re-raised: on PyTorch every section but the JAX-only HLO audit; on JAX the
+sections with JAX code of their own (GEMMs, quantize, `fp8.dot`, the HLO
+audit); the decoder sections are Keras code alike on both backends, and
+each of their XLA compilations costs seconds on a CPU. TensorFlow is not
+in the GPU image, so the script has no TensorFlow run.
+"""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import keras
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GPU = ROOT / "benchmarks" / "gpu"
+SECTIONS = {"torch": "abcde", "jax": "abcf"}
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location(
+        "fp8_speed", GPU / "fp8_speed.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.backends("jax", "torch")
+def test_smoke_runs_every_section_and_writes_the_table(tmp_path):
+    backend = keras.backend.backend()
+    env = dict(os.environ, KERAS_BACKEND=backend, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
+    )
+    command = [sys.executable, str(GPU / "fp8_speed.py"), "--smoke"]
+    command += ["--out", str(tmp_path), "--sections", SECTIONS[backend]]
+    done = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / f"{backend}.json").read_text())
+    assert result["device"].startswith("cpu")
+    names = {_script().LETTERS[s] for s in SECTIONS[backend]}
+    assert set(result["sections"]) == names
+    for name, section in result["sections"].items():
+        assert section["status"] == "ok", (name, section)
+        assert section["rows"], name
+    table = (tmp_path / "table.md").read_text()
+    assert result["device"] in table
+    assert table.count("\n") == 2 + sum(
+        len(s["rows"]) for s in result["sections"].values()
+    )
+    if backend == "jax":
+        (row,) = result["sections"]["hlo"]["rows"]
+        # Four FP8 Dense layers, three GEMMs each, before optimization.
+        assert row["counts"]["fp8_dots_before_optimization"] == 12
+    else:
+        (row,) = result["sections"]["policies"]["rows"]
+        assert row["ratios"]["lso_vs_plain"] > 0
+        assert row["host_syncs_per_step"]["mixed_bfloat16"] >= 1
+
+
+def test_audit_counts_the_gemms_of_an_optimized_module():
+    text = "\n".join(
+        [
+            "  %a = bf16[64,64]{1,0} custom-call(f8e4m3fn[64,32]{1,0} %x, "
+            'f8e4m3fn[32,64]{0,1} %w), custom_call_target="__cublas$lt$'
+            'matmul$f8"',
+            "  %b = f32[64,64]{1,0} custom-call(f16[64,32]{1,0} %x, "
+            'f16[32,64]{1,0} %y), custom_call_target="__cublas$gemm"',
+            "  %c = f32[8,8]{1,0} dot(bf16[8,4]{1,0} %p, bf16[4,8]{1,0} %q), "
+            "lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+            "  %t = f8e4m3fn[32,64]{1,0} transpose(f8e4m3fn[64,32]{1,0} %x), "
+            "dimensions={1,0}",
+            '  %n = f32[8]{0} custom-call(f32[8]{0} %z), custom_call_target="'
+            'Sharding"',
+        ]
+    )
+    counts = _script().audit(text)
+    assert counts == {
+        "fp8_gemm": 1,
+        "f16_gemm": 1,
+        "f32_output_gemm": 2,
+        "bf16_output_gemm": 1,
+        "other_gemm": 1,
+        "f8_transpose": 1,
+    }
+
+
+def test_the_shell_scripts_parse():
+    for name in ("run.sh", "wheelhouse.sh"):
+        subprocess.run(["bash", "-n", str(GPU / name)], check=True)
