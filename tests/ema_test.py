@@ -54,7 +54,12 @@ def _train(fp8, wrapper, use_ema):
     else:
         recipe = keras_mp.fp8.Recipe(stats=True)
     if fp8 != "float8":
-        keras_mp.set_global_policy("mixed_bfloat16", fp8=recipe)
+        # "plain": the optimizer `compile` keeps with the skip turned off
+        # (under an FP8 recipe it would wrap it in a skipping
+        # LossScaleOptimizer, the "loss_scale" cases' path).
+        keras_mp.set_global_policy(
+            "mixed_bfloat16", fp8=recipe, skip_nonfinite=wrapper != "plain"
+        )
     inputs = keras.Input((16,))
     hidden = keras.layers.Dense(16)(inputs)
     model = keras.Model(inputs, keras.layers.Dense(16)(hidden))
@@ -88,7 +93,7 @@ def test_ema_leaves_overwriting_variables_alone(fp8, wrapper):
     reference = _train(fp8, wrapper, use_ema=False)
     model = _train(fp8, wrapper, use_ema=True)
     if wrapper == "plain":
-        # `compile` kept the user's optimizer under mixed_bfloat16.
+        # `compile` kept the user's optimizer (`skip_nonfinite=False`).
         assert type(model.optimizer).__name__ == "Adam"
     pairs = list(zip(reference.trainable_variables, model.trainable_variables))
     overwritten = [(r, v) for r, v in pairs if overwrites_with_gradient(v)]

@@ -382,7 +382,9 @@ def _float16_step(scaled):
     optimizer = keras.optimizers.SGD(0.01)
     if scaled:
         optimizer = keras_mp.LossScaleOptimizer(optimizer)
-    model.compile(optimizer, loss="mse")
+    # Unscaled: SGD as it is, not the skipping wrapper `compile` gives a
+    # model with FP8 layers by default.
+    model.compile(optimizer, loss="mse", auto_scale_loss=scaled)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, 32)).astype("float32")
     model.train_on_batch(x, rng.normal(size=(16, 1)).astype("float32"))
