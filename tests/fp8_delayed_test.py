@@ -430,13 +430,9 @@ def test_a_frozen_delayed_layer_runs_current_scaling():
     for recipe in (fp8.Recipe(scaling="delayed"), fp8.Recipe()):
         model = _parallel_model([recipe], seed=15)
         model.get_layer("dense_0").trainable = False
-        # Nothing is trainable, so SGD as it is: on JAX the skipping
-        # wrapper `compile` gives an FP8 model by default cannot yet step
-        # a model without trainable variables (it stays unbuilt and
-        # `stateless_apply` raises; a known gap, loud, not silent).
-        model.compile(
-            keras.optimizers.SGD(0.01), loss=_linear_loss, auto_scale_loss=False
-        )
+        # Nothing is trainable: the skipping wrapper `compile` gives an
+        # FP8 model steps it as plain SGD would (nothing to update).
+        model.compile(keras.optimizers.SGD(0.01), loss=_linear_loss)
         for _ in range(3):
             model.train_on_batch(x, np.ones((BATCH, UNITS), np.float32))
         outputs.append(to_numpy(model.predict_on_batch(x)))

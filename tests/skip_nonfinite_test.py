@@ -293,6 +293,24 @@ def test_an_optimizer_with_a_loss_scale_is_not_wrapped_again():
     assert model.optimizer.loss_scale.is_dynamic
 
 
+def test_a_model_with_nothing_trainable_steps_under_the_wrapper():
+    """A frozen model (fine-tuning with every layer frozen, or a probe)
+    compiles with the skipping wrapper and trains as plain SGD does:
+    nothing changes, the wrapper stays unbuilt until something is
+    trainable (once unbuilt, JAX's `stateless_apply` raised)."""
+    keras_mp.set_global_policy("mixed_bfloat16", skip_nonfinite=True)
+    model = _model()
+    for layer in model.layers:
+        layer.trainable = False
+    model.compile(keras.optimizers.SGD(0.1), loss="mse")
+    x, y = _data(3, nonfinite=(1,))
+    before = [to_numpy(v) for v in model.weights]
+    _fit(model, x, y)
+    for want, got in zip(before, model.weights):
+        assert_bitwise_equal(got, want)
+    assert isinstance(model.optimizer, keras_mp.LossScaleOptimizer)
+
+
 def test_without_fp8_or_with_false_the_optimizer_is_left_alone():
     for kwargs in (dict(), dict(fp8=True, skip_nonfinite=False)):
         keras_mp.set_global_policy("mixed_bfloat16", **kwargs)

@@ -474,6 +474,11 @@ class OptimizerWrapper(
         grads: Sequence[Any],
         trainable_variables: Sequence[Any],
     ) -> tuple[list[Any], list[Any]]:
+        if not self.built and not list(trainable_variables):
+            # Nothing trainable: `build([])` leaves a wrapper unbuilt (see
+            # `build`), and a step has nothing to update, as for Keras's
+            # own optimizers (`apply` of no gradients returns).
+            return list(trainable_variables), list(optimizer_variables)
         return keras.optimizers.Optimizer.stateless_apply(
             self, optimizer_variables, grads, trainable_variables
         )
