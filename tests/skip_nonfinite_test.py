@@ -95,7 +95,12 @@ def test_one_nan_batch_is_skipped_bit_identically_and_training_goes_on(
     assert history.history["loss_scale"] == [1.0]
     assert int(to_numpy(optimizer.iterations)) == 1
     report = optimizer.overflow_report()
-    assert {record.layer for record in report} == {"hidden", "middle", "head"}
+    # The NaN input poisons the first layer's kernel gradient everywhere;
+    # whether it reaches the later layers depends on relu(NaN), NaN or 0
+    # by backend and kernel (TensorFlow's fused oneDNN relu gives 0 on
+    # CPUs with AVX512-BF16).
+    layers = {record.layer for record in report}
+    assert "hidden" in layers and layers <= {"hidden", "middle", "head"}
     _fit(model, *_data(2, seed=2))
     after = [to_numpy(w) for w in model.weights]
     assert all(np.isfinite(w).all() for w in after)
