@@ -8,6 +8,7 @@ rounding), on every backend.
 """
 
 import functools
+import importlib
 
 import keras
 import numpy as np
@@ -533,3 +534,62 @@ def test_torch_operands_reach_scaled_mm_in_its_layouts_without_copies(
     assert len(calls) == 3 and copies == []
     for a, b in zip(scaled, upcast):
         np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
+
+
+def _count_kernel_quantizations(monkeypatch, kernel_shapes):
+    """A list that grows by one per quantization of a tensor of one of
+    `kernel_shapes`."""
+    # The module: `keras_mp.fp8.dot` is the function.
+    dot_module = importlib.import_module("keras_mp.fp8.dot")
+    counted = []
+    operand = dot_module._operand
+
+    def counting(x, *args, **kwargs):
+        if tuple(x.shape) in kernel_shapes:
+            counted.append(tuple(x.shape))
+        return operand(x, *args, **kwargs)
+
+    monkeypatch.setattr(dot_module, "_operand", counting)
+    return counted
+
+
+@pytest.mark.backends("torch")
+@pytest.mark.parametrize(
+    "granularity, per_step",
+    [("tensorwise", 1), ("rowwise", 2), ("block", 1)],
+)
+def test_torch_quantizes_an_unchanged_kernel_once_across_calls(
+    granularity, per_step, monkeypatch
+):
+    """Calls and micro-steps that share a kernel share its FP8 codes; an
+    in-place update of the kernel (an optimizer step, an assign) makes
+    new ones, the bits of quantizing it afresh."""
+    from keras_mp.backend import gradients
+
+    counted = _count_kernel_quantizations(
+        monkeypatch, {(128, 256), (1, 128, 2, 128)}
+    )
+    recipe = fp8.Recipe(granularity=granularity)
+    x, kernel, g = _operands(16, 128, 256, seed=11)
+    variable = keras.Variable(kernel)
+    g_tensor = ops.convert_to_tensor(g)
+
+    def micro_step():
+        out = fp8.dot(x, variable, recipe)
+        return gradients.compute_gradients(
+            lambda: ops.sum(fp8.dot(x, variable, recipe) * g_tensor), [variable]
+        )[0], out
+
+    first = [micro_step() for _ in range(3)]
+    assert len(counted) == per_step
+    variable.assign(variable * 0.75 + 0.125)
+    updated = micro_step()
+    assert len(counted) == 2 * per_step
+    # The cached codes are those of a fresh quantization, before and
+    # after the update: a plain tensor of the same values has no cache.
+    for (dw, out), values in [(first[-1], kernel), (updated, variable)]:
+        expected_out, _, expected_dw = _run(
+            _dot(recipe), x, to_numpy(values), g
+        )
+        np.testing.assert_array_equal(to_numpy(out), to_numpy(expected_out))
+        np.testing.assert_array_equal(to_numpy(dw), to_numpy(expected_dw))

@@ -41,6 +41,21 @@ def _operand(x, fmt, axes, margin, scale=None, layouts=_ROW):
     return quantize_reduced(x, fmt, axes, margin, scale, layouts)
 
 
+def _kernel_operand(w, fmt, axes, margin, layouts, shape=None):
+    """`_operand` of the kernel (reshaped to `shape`, where given),
+    computed once while the kernel is unchanged
+    (`keras_mp.backend.fp8.reuse`: on PyTorch, once per optimizer step
+    however many calls and micro-steps share it). Current scaling only:
+    the codes then depend on the kernel alone."""
+
+    def compute():
+        tensor = w if shape is None else ops.reshape(w, shape)
+        return _operand(tensor, fmt, axes, margin, None, layouts)
+
+    key = ("kernel", fmt, axes, margin, layouts, shape)
+    return fp8_backend.reuse(w, key, compute)
+
+
 def _delayed_scale(scaling, index, t, fmt, margin, rows):
     """The scale of tensor `index` of a delayed call (`delayed.pick`), or
     None for current scaling. Its amax is kept in `rows` for `_observe`:
@@ -111,7 +126,10 @@ def _tensorwise(x, w, recipe, rows, dtypes, scaling=None):
     sx = _delayed_scale(scaling, 0, x, forward, margin, rows)
     sw = _delayed_scale(scaling, 1, w, forward, margin, rows)
     (cx, cx_column), sx = _operand(x, forward, None, margin, sx, _BOTH)
-    (cw, cw_column), sw = _operand(w, forward, None, margin, sw, _BOTH)
+    if scaling is None:
+        (cw, cw_column), sw = _kernel_operand(w, forward, None, margin, _BOTH)
+    else:
+        (cw, cw_column), sw = _operand(w, forward, None, margin, sw, _BOTH)
     _observe(rows, "input", x, sx, forward)
     _observe(rows, "kernel", w, sw, forward)
     # Fast accumulation in the forward GEMM only, as Transformer Engine
@@ -139,7 +157,7 @@ def _rowwise(x, w, recipe, rows, dtypes):
     layout that GEMM takes it in."""
     forward, backward, margin = _formats(recipe)
     (cx,), sx = _operand(x, forward, 1, margin)  # (M, 1)
-    (cw,), sw = _operand(w, forward, 0, margin, layouts=("column",))  # (1, N)
+    (cw,), sw = _kernel_operand(w, forward, 0, margin, ("column",))  # (1, N)
     _observe(rows, "input", x, sx, forward)
     _observe(rows, "kernel", w, sw, forward)
     product = fp8_backend.einsum_float32("mk,kn->mn", cx, cw, dtypes.out)
@@ -148,7 +166,7 @@ def _rowwise(x, w, recipe, rows, dtypes):
     def gradients(g):
         (cg,), sg = _operand(g, backward, 1, margin)  # (M, 1)
         _observe(rows, "output_gradient", g, sg, backward)
-        (cw_n,), sw_n = _operand(w, forward, 1, margin)  # (K, 1)
+        (cw_n,), sw_n = _kernel_operand(w, forward, 1, margin, _ROW)  # (K, 1)
         dx = fp8_backend.einsum_float32("mn,kn->mk", cg, cw_n, dtypes.dx)
         dx = _scaled(dx, sg) * ops.transpose(sw_n)
         # (1, K) and (1, N): x^T is the A of the kernel gradient, g its B.
@@ -199,7 +217,7 @@ def _block(x, w, recipe, rows, dtypes):
     tiled_w = ops.reshape(w, tiles)
     (cx,), sx = _operand(tiled_x, forward, 2, margin)  # (M, tiles_k, 1)
     # sw: (tiles_k, 1, tiles_n, 1)
-    (cw,), sw = _operand(tiled_w, forward, (1, 3), margin)
+    (cw,), sw = _kernel_operand(w, forward, (1, 3), margin, _ROW, tiles)
     _observe(rows, "input", tiled_x, sx, forward)
     _observe(rows, "kernel", tiled_w, sw, forward)
     partial = fp8_backend.einsum_float32("mtb,tbjc->tmjc", cx, cw)
