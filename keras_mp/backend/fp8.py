@@ -280,11 +280,9 @@ def _torch_matrices(equation, a, b):
     if product is None:
         return None
     transpose_a, transpose_b, transpose_out = product
-    return (
-        (a.t() if transpose_a else a),
-        (b.t() if transpose_b else b),
-        (transpose_out),
-    )
+    a = a.t() if transpose_a else a
+    b = b.t() if transpose_b else b
+    return a, b, transpose_out
 
 
 def _torch_scaled_mm(a, b, scale, out_dtype, fast_accumulation):
