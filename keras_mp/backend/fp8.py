@@ -415,7 +415,10 @@ def reuse(tensor, key, compute):
     in-place write (an optimizer's update, `Variable.assign`) bumps the
     counter. So a kernel's FP8 codes are computed once per optimizer step,
     whatever the number of calls and micro-steps before the update.
-    Not while `torch.compile` traces (the compiled graph decides).
+    Not while `torch.compile` traces (the compiled graph decides). A write
+    through `tensor.data` bumps no counter (PyTorch's `.data` escapes
+    version tracking): Keras's and keras_mp's updates never write so, and
+    code that does must assign the variable instead.
 
     Args:
         tensor: A tensor that `compute` reads.
