@@ -398,10 +398,12 @@ def _has_lora(layer):
 def _kernel(layer):
     """The kernel the FP8 GEMM multiplies: with LoRA, the frozen base
     kernel alone (Keras's `layer.kernel` adds the low-rank product, which
-    would then be rounded to FP8 with it and mostly lost)."""
-    if _has_lora(layer):
-        return _stored(layer._kernel)
-    return _stored(layer.kernel)
+    would then be rounded to FP8 with it and mostly lost). On PyTorch the
+    variable's own tensor, not a copy: `fp8.dot` then quantizes it once
+    per optimizer step (`keras_mp.backend.fp8.reuse`)."""
+    kernel = layer._kernel if _has_lora(layer) else layer.kernel
+    with _keras_internals.without_autocast():
+        return backend_fp8.stored_variable(kernel)
 
 
 def _lora(layer, inputs, x, equation=None):

@@ -8,6 +8,7 @@ rounding), on every backend.
 """
 
 import functools
+import importlib
 
 import keras
 import numpy as np
@@ -413,3 +414,182 @@ def test_jax_feeds_the_fp8_codes_themselves_to_dot_general():
     assert sorted(operand_types) == sorted(
         [(e4m3, e4m3), (e5m2, e4m3), (e4m3, e5m2)]
     )
+
+
+def _record_scaled_mm(monkeypatch):
+    """Every `torch._scaled_mm` call's arguments, as the meta replay needs
+    them, with `SCALED_MM_ON_CPU` on."""
+    import torch
+
+    from keras_mp.backend import fp8 as backend_fp8
+
+    monkeypatch.setattr(backend_fp8, "SCALED_MM_ON_CPU", True)
+    calls = []
+    scaled_mm = torch._scaled_mm
+
+    def recording(a, b, scale_a, scale_b, **kwargs):
+        calls.append(
+            {
+                "operands": [(t.shape, t.stride(), t.dtype) for t in (a, b)],
+                "scales": (scale_a.clone(), scale_b.clone()),
+                **kwargs,
+            }
+        )
+        return scaled_mm(a, b, scale_a, scale_b, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    return calls
+
+
+def _replay_on_meta(call):
+    """The call again on `meta` tensors, whose kernel checks what CUDA's
+    does: a row-major A, a column-major B, sizes and scales."""
+    import torch
+
+    a, b = (
+        torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        for shape, stride, dtype in call["operands"]
+    )
+    scales = [scale.to("meta") for scale in call["scales"]]
+    options = {k: v for k, v in call.items() if k not in ("operands", "scales")}
+    # The operator itself: `torch._scaled_mm` is the recording stand-in.
+    return torch.ops.aten._scaled_mm(a, b, *scales, **options)
+
+
+@pytest.mark.backends("torch")
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_torch_scaled_mm_calls_pass_the_cuda_layout_checks_on_meta_tensors(
+    granularity, monkeypatch
+):
+    import torch
+
+    calls = _record_scaled_mm(monkeypatch)
+    recipe = fp8.Recipe(granularity=granularity)
+    x, kernel, g = _operands(32, 64, 48, seed=10)
+    x16 = ops.convert_to_tensor(x, "bfloat16")
+    _run(lambda a, b: fp8.dot(a, b, recipe), x16, kernel, g)
+    assert len(calls) == 3
+    for call in calls:
+        out = _replay_on_meta(call)
+        assert out.dtype == call["out_dtype"]
+    # The meta kernel does check: B row-major is refused.
+    (shape, _, dtype) = calls[0]["operands"][1]
+    wrong = dict(calls[0], operands=[calls[0]["operands"][0]])
+    wrong["operands"].append((shape, (shape[1], 1), dtype))
+    with pytest.raises(RuntimeError, match="col_major|column"):
+        _replay_on_meta(wrong)
+    fast = [call.get("use_fast_accum", False) for call in calls]
+    out_dtypes = [call["out_dtype"] for call in calls]
+    if granularity == "rowwise":
+        # Row scales are multiplied after a GEMM of unit scales.
+        assert all(float(s) == 1.0 for c in calls for s in c["scales"])
+        assert fast == [False] * 3
+        assert out_dtypes == [torch.float32] * 3
+        return
+    # The forward GEMM alone accumulates fast; each GEMM takes its scales
+    # (sx * sw as one factor) and writes the dtype of its result: the
+    # forward product and the input gradient bfloat16 (x is), the kernel
+    # gradient float32 (the kernel is).
+    assert fast == [True, False, False]
+    assert out_dtypes == [torch.bfloat16, torch.bfloat16, torch.float32]
+    _, sx = fp8.quantize(x16, "e4m3")
+    _, sw = fp8.quantize(kernel, "e4m3")
+    _, sg = fp8.quantize(
+        ops.cast(ops.convert_to_tensor(g, "bfloat16"), "float32"), "e5m2"
+    )
+    factors = [float(call["scales"][0]) for call in calls]
+    assert factors == [
+        float(sx) * float(sw),
+        float(sg) * float(sw),
+        float(sx) * float(sg),
+    ]
+    assert all(float(call["scales"][1]) == 1.0 for call in calls)
+
+
+@pytest.mark.backends("torch")
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_torch_operands_reach_scaled_mm_in_its_layouts_without_copies(
+    granularity, monkeypatch
+):
+    """The quantizer writes each operand in the layout its GEMM takes:
+    no transpose or copy between it and `_scaled_mm`, and the bits of the
+    CPU's values path."""
+    import torch
+
+    upcast = _run(
+        _dot(fp8.Recipe(granularity=granularity)), *_operands(32, 64, 48)
+    )
+    calls = _record_scaled_mm(monkeypatch)
+    copies = []
+    contiguous = torch.Tensor.contiguous
+
+    def counting(self, *args, **kwargs):
+        if self.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            copies.append(self.shape)
+        return contiguous(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", counting)
+    recipe = fp8.Recipe(granularity=granularity)
+    scaled = _run(lambda a, b: fp8.dot(a, b, recipe), *_operands(32, 64, 48))
+    assert len(calls) == 3 and copies == []
+    for a, b in zip(scaled, upcast):
+        np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
+
+
+def _count_kernel_quantizations(monkeypatch, kernel_shapes):
+    """A list that grows by one per quantization of a tensor of one of
+    `kernel_shapes`."""
+    # The module: `keras_mp.fp8.dot` is the function.
+    dot_module = importlib.import_module("keras_mp.fp8.dot")
+    counted = []
+    operand = dot_module._operand
+
+    def counting(x, *args, **kwargs):
+        if tuple(x.shape) in kernel_shapes:
+            counted.append(tuple(x.shape))
+        return operand(x, *args, **kwargs)
+
+    monkeypatch.setattr(dot_module, "_operand", counting)
+    return counted
+
+
+@pytest.mark.backends("torch")
+@pytest.mark.parametrize(
+    "granularity, per_step",
+    [("tensorwise", 1), ("rowwise", 2), ("block", 1)],
+)
+def test_torch_quantizes_an_unchanged_kernel_once_across_calls(
+    granularity, per_step, monkeypatch
+):
+    """Calls and micro-steps that share a kernel share its FP8 codes; an
+    in-place update of the kernel (an optimizer step, an assign) makes
+    new ones, the bits of quantizing it afresh."""
+    from keras_mp.backend import gradients
+
+    counted = _count_kernel_quantizations(
+        monkeypatch, {(128, 256), (1, 128, 2, 128)}
+    )
+    recipe = fp8.Recipe(granularity=granularity)
+    x, kernel, g = _operands(16, 128, 256, seed=11)
+    variable = keras.Variable(kernel)
+    g_tensor = ops.convert_to_tensor(g)
+
+    def micro_step():
+        out = fp8.dot(x, variable, recipe)
+        return gradients.compute_gradients(
+            lambda: ops.sum(fp8.dot(x, variable, recipe) * g_tensor), [variable]
+        )[0], out
+
+    first = [micro_step() for _ in range(3)]
+    assert len(counted) == per_step
+    variable.assign(variable * 0.75 + 0.125)
+    updated = micro_step()
+    assert len(counted) == 2 * per_step
+    # The cached codes are those of a fresh quantization, before and
+    # after the update: a plain tensor of the same values has no cache.
+    for (dw, out), values in [(first[-1], kernel), (updated, variable)]:
+        expected_out, _, expected_dw = _run(
+            _dot(recipe), x, to_numpy(values), g
+        )
+        np.testing.assert_array_equal(to_numpy(out), to_numpy(expected_out))
+        np.testing.assert_array_equal(to_numpy(dw), to_numpy(expected_dw))

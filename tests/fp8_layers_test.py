@@ -2,6 +2,7 @@
 routing to `fp8.dot` / `fp8.einsum`, training with `fit`, checkpoints that
 resume exactly, and a skipped step under loss scaling."""
 
+import importlib
 import json
 
 import keras
@@ -266,3 +267,55 @@ def test_keras_float8_quantization_keeps_its_own_path():
     assert keras_mp.policy.layer_policy(layer).quantization_mode == "float8"
     out = to_numpy(layer(_rng().normal(size=(2, 64)).astype("float32")))
     assert out.shape == (2, 32) and np.isfinite(out).all()
+
+
+@pytest.mark.backends("torch")
+@pytest.mark.parametrize("layer_kind", ["dense", "einsum_dense"])
+def test_torch_quantizes_each_kernel_once_per_optimizer_step(
+    layer_kind, monkeypatch
+):
+    """Micro-steps of gradient accumulation and repeated calls share the
+    kernel's FP8 codes until the optimizer updates it; training gives the
+    bits of quantizing the kernel at every call."""
+    dot_module = importlib.import_module("keras_mp.fp8.dot")
+    from keras_mp.backend import fp8 as backend_fp8
+
+    policy = keras_mp.Policy("float32", fp8=True)
+    x = _rng().normal(size=(64, 32)).astype("float32")
+    y = x[:, :16] * 0.5
+
+    def train():
+        keras.utils.set_random_seed(0)
+        if layer_kind == "dense":
+            layer = keras.layers.Dense(16, dtype=policy)
+        else:
+            layer = keras.layers.EinsumDense(
+                "ab,bc->ac", 16, bias_axes="c", dtype=policy
+            )
+        model = keras.Sequential([keras.Input((32,)), layer])
+        optimizer = keras.optimizers.SGD(0.01, gradient_accumulation_steps=2)
+        model.compile(optimizer, loss="mse")
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        return to_numpy(layer.kernel)
+
+    counted = []
+    operand = dot_module._operand
+
+    def counting(t, *args, **kwargs):
+        # Not the output-shape inference of Keras's build, on `meta`.
+        if tuple(t.shape) == (32, 16) and t.device.type != "meta":
+            counted.append(1)
+        return operand(t, *args, **kwargs)
+
+    monkeypatch.setattr(dot_module, "_operand", counting)
+    kernel = train()
+    # 4 batches, 2 optimizer updates: the kernel is quantized for the
+    # first micro-step and again after each update.
+    assert len(counted) == 2, counted
+    monkeypatch.setattr(
+        backend_fp8, "reuse", lambda tensor, key, compute: compute()
+    )
+    counted.clear()
+    fresh = train()
+    assert len(counted) == 4
+    assert_bitwise_equal(kernel, fresh)

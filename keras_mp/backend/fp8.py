@@ -272,35 +272,186 @@ def _torch_scaled_mm_applies(a, b):
     return not both_e5m2 and all(size % 16 == 0 for size in sizes)
 
 
+def _torch_matrices(equation, a, b):
+    """`(A, B, transpose_out)` with `einsum(equation, a, b)` equal to
+    `A @ B`, transposed where `transpose_out`; None where `equation` is
+    not one 2-D matrix product. Transposes are views: no copy."""
+    product = _as_matrix_product(equation)
+    if product is None:
+        return None
+    transpose_a, transpose_b, transpose_out = product
+    a = a.t() if transpose_a else a
+    b = b.t() if transpose_b else b
+    return a, b, transpose_out
+
+
+def _torch_scaled_mm(a, b, scale, out_dtype, fast_accumulation):
+    import torch
+
+    # Row-major A, column-major B: the layout cuBLASLt's FP8 GEMM takes
+    # (the CPU kernel takes any). `torch_fp8_operands` writes each operand
+    # in the layout its GEMM asks for, so these copies run only for
+    # operands made elsewhere.
+    if not a.is_contiguous():
+        a = a.contiguous()
+    if not b.t().is_contiguous():
+        b = b.t().contiguous().t()
+    one = torch.ones((), dtype=torch.float32, device=a.device)
+    return torch._scaled_mm(
+        a,
+        b,
+        scale,
+        one,
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accumulation,
+    )
+
+
 def _torch_einsum_float32(equation, a, b, result_dtype):
     import torch
 
-    product = _as_matrix_product(equation)
-    if product is not None and a.dtype == torch.float32:
+    matrices = _torch_matrices(equation, a, b)
+    if matrices is None:
+        return torch.einsum(equation, a.float(), b.float())
+    a, b, transpose_out = matrices
+    if a.dtype == torch.float32:
         # Values on the FP8 grid (a CPU): exact in bfloat16.
-        transpose_a, transpose_b, transpose_out = product
-        a = a.t() if transpose_a else a
-        b = b.t() if transpose_b else b
         if result_dtype == "bfloat16":
             a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
         out = a @ b
-        return out.t() if transpose_out else out
-    if product is not None:
-        transpose_a, transpose_b, transpose_out = product
-        a = a.t() if transpose_a else a
-        b = b.t() if transpose_b else b
-        if _torch_scaled_mm_applies(a, b):
-            one = torch.ones((), dtype=torch.float32, device=a.device)
-            # Row-major A, column-major B: the layout cuBLASLt's FP8 GEMM
-            # takes (the CPU kernel takes any).
-            out = torch._scaled_mm(
-                a.contiguous(),
-                b.t().contiguous().t(),
-                one,
-                one,
-                out_dtype=torch.float32,
-            )
-            return out.t() if transpose_out else out
+    elif _torch_scaled_mm_applies(a, b):
+        one = torch.ones((), dtype=torch.float32, device=a.device)
+        out = _torch_scaled_mm(a, b, one, torch.float32, False)
+    else:
         out = a.float() @ b.float()
-        return out.t() if transpose_out else out
-    return torch.einsum(equation, a.float(), b.float())
+    return out.t() if transpose_out else out
+
+
+def scaled_einsum(
+    equation, a, b, factor, result_dtype="float32", fast_accumulation=False
+):
+    """`einsum_float32(equation, a, b, result_dtype)` times `factor`.
+
+    On PyTorch where `torch._scaled_mm` runs the product, the factor is
+    its scale and the GEMM writes `result_dtype` itself where that is
+    bfloat16 or float16: cuBLASLt rounds `factor * sum` (float32) once,
+    the bits of the float32 product times the factor, cast, without two
+    passes over the result. Elsewhere the product is multiplied after, in
+    float32 (exact: a power of two).
+
+    Args:
+        equation: A 2-D matrix product, e.g. `"mk,kn->mn"` (others go
+            through `einsum_float32`).
+        a: What `einsum_float32` takes.
+        b: The same, for the second operand.
+        factor: A float32 scalar tensor, a power of two: the product of
+            the operands' tensorwise scales.
+        result_dtype: The dtype the caller casts the result to. Defaults
+            to `"float32"`.
+        fast_accumulation: Whether the GEMM may accumulate with Hopper's
+            fast FP8 accumulation (`use_fast_accum`), as Transformer
+            Engine and torchao do for the forward GEMM only. Defaults to
+            `False`.
+
+    Returns:
+        A float32 tensor, or one of `result_dtype` where a GEMM wrote it.
+    """
+    if keras.backend.backend() == "torch":
+        out = _torch_scaled_product(
+            equation, a, b, factor, result_dtype, fast_accumulation
+        )
+        if out is not None:
+            return out
+    product = einsum_float32(equation, a, b, result_dtype)
+    return keras.ops.cast(product, "float32") * factor
+
+
+def _torch_scaled_product(
+    equation, a, b, factor, result_dtype, fast_accumulation
+):
+    """`_torch_scaled_mm` with the factor as its scale, or None."""
+    import torch
+
+    matrices = _torch_matrices(equation, a, b)
+    if matrices is None or a.dtype == torch.float32:
+        return None
+    a, b, transpose_out = matrices
+    if not _torch_scaled_mm_applies(a, b):
+        return None
+    out_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        result_dtype, torch.float32
+    )
+    factor = factor.to(device=a.device, dtype=torch.float32).reshape(())
+    out = _torch_scaled_mm(a, b, factor, out_dtype, fast_accumulation)
+    return out.t() if transpose_out else out
+
+
+def has_layouts(x):
+    """Whether the GEMM operands of float32 `x` are FP8 codes whose
+    memory layout the GEMM cares about (PyTorch, other than a CPU's
+    values, for a 2-D `x`): `gemm_operands` in `torch_fp8_operands`."""
+    return (
+        keras.backend.backend() == "torch"
+        and not rounds_to_values(x)
+        and len(x.shape) == 2
+    )
+
+
+def torch_gemm_operands(x, scale, fmt, layouts):
+    """FP8 codes of `x / scale` in each layout, in one pass
+    (`keras_mp.backend.torch_fp8_operands.encode`)."""
+    from keras_mp.backend import torch_fp8_operands
+
+    return torch_fp8_operands.encode(x, scale, fmt, layouts)
+
+
+def reuse(tensor, key, compute):
+    """`compute()`, or what it gave for `tensor` and `key` before, while
+    `tensor` holds the same values.
+
+    PyTorch only (elsewhere `compute()` every call: XLA and TensorFlow's
+    graphs already compute a value once per step): a tensor holds the same
+    values while its storage and version counter are unchanged, and every
+    in-place write (an optimizer's update, `Variable.assign`) bumps the
+    counter. So a kernel's FP8 codes are computed once per optimizer step,
+    whatever the number of calls and micro-steps before the update.
+    Not while `torch.compile` traces (the compiled graph decides). A write
+    through `tensor.data` bumps no counter (PyTorch's `.data` escapes
+    version tracking): Keras's and keras_mp's updates never write so, and
+    code that does must assign the variable instead.
+
+    Args:
+        tensor: A tensor that `compute` reads.
+        key: A hashable naming what `compute` makes of it.
+        compute: A function of no arguments.
+    """
+    if keras.backend.backend() != "torch":
+        return compute()
+    import torch
+
+    if torch.compiler.is_compiling() or not isinstance(tensor, torch.Tensor):
+        return compute()
+    # A view (`fp8.einsum`'s reshaped kernel, new at each call) keeps the
+    # cache on the tensor it views, which shares its version counter.
+    owner = tensor if tensor._base is None else tensor._base
+    stamp = (owner.data_ptr(), owner._version)
+    key = (tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), key)
+    cache = getattr(owner, "_keras_mp_fp8_operands", None)
+    if cache is None or cache[0] != stamp:
+        cache = (stamp, {})
+        owner._keras_mp_fp8_operands = cache
+    if key not in cache[1]:
+        cache[1][key] = compute()
+    return cache[1][key]
+
+
+def stored_variable(variable):
+    """A variable's stored value for an FP8 GEMM that differentiates it.
+
+    PyTorch: the variable's own tensor, so that `reuse` keys on it (its
+    version counts the optimizer's updates). Elsewhere a copy (TensorFlow's
+    custom gradient refuses a function that captures a variable).
+    """
+    if keras.backend.backend() == "torch":
+        return keras.ops.convert_to_tensor(variable)
+    return keras.ops.copy(variable)

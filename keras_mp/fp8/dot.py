@@ -29,10 +29,31 @@ from keras_mp.fp8.quantize import quantize_reduced
 from keras_mp.fp8.quantize import scale_from_amax
 from keras_mp.fp8.recipe import BLOCK_SIZE
 
+# The layouts of a 2-D operand (`gemm_operands`): row-major, for the GEMM
+# that takes it as its A (or its transpose as B), and column-major, for
+# the one that takes it as B (or its transpose as A).
+_ROW = ("row",)
+_BOTH = ("row", "column")
 
-def _operand(x, fmt, axes, margin, scale=None):
-    """`x` quantized as a GEMM operand, and its scales."""
-    return quantize_reduced(x, fmt, axes, margin, scale=scale, operand=True)
+
+def _operand(x, fmt, axes, margin, scale=None, layouts=_ROW):
+    """`x` quantized as GEMM operands, one per layout, and its scales."""
+    return quantize_reduced(x, fmt, axes, margin, scale, layouts)
+
+
+def _kernel_operand(w, fmt, axes, margin, layouts, shape=None):
+    """`_operand` of the kernel (reshaped to `shape`, where given),
+    computed once while the kernel is unchanged
+    (`keras_mp.backend.fp8.reuse`: on PyTorch, once per optimizer step
+    however many calls and micro-steps share it). Current scaling only:
+    the codes then depend on the kernel alone."""
+
+    def compute():
+        tensor = w if shape is None else ops.reshape(w, shape)
+        return _operand(tensor, fmt, axes, margin, None, layouts)
+
+    key = ("kernel", fmt, axes, margin, layouts, shape)
+    return fp8_backend.reuse(w, key, compute)
 
 
 def _delayed_scale(scaling, index, t, fmt, margin, rows):
@@ -91,33 +112,39 @@ def _scaled(product, factor):
     bfloat16: `einsum_float32`) times float32 power-of-two scales, in
     float32: exact wherever the result is a normal number, so a bfloat16
     product gives the bits of the float32 one, rounded. Tensorwise scales
-    come as one factor (`sx * sw`: exact, and one pass less)."""
+    go to `scaled_einsum` instead, as one factor (`sx * sw`: exact, one
+    pass less, and a scale a GEMM can take)."""
     return ops.cast(product, "float32") * factor
 
 
 def _tensorwise(x, w, recipe, rows, dtypes, scaling=None):
-    """One scale per tensor; the forward codes serve the backward GEMMs.
-    With a delayed `scaling`, the scales are its own."""
+    """One scale per tensor; the forward codes serve the backward GEMMs,
+    each operand written in both layouts in one pass where the GEMM cares
+    (PyTorch). The scales are one factor, which a GEMM may take itself
+    (`scaled_einsum`). With a delayed `scaling`, the scales are its own."""
     forward, backward, margin = _formats(recipe)
     sx = _delayed_scale(scaling, 0, x, forward, margin, rows)
     sw = _delayed_scale(scaling, 1, w, forward, margin, rows)
-    cx, sx = _operand(x, forward, None, margin, sx)
-    cw, sw = _operand(w, forward, None, margin, sw)
+    (cx, cx_column), sx = _operand(x, forward, None, margin, sx, _BOTH)
+    if scaling is None:
+        (cw, cw_column), sw = _kernel_operand(w, forward, None, margin, _BOTH)
+    else:
+        (cw, cw_column), sw = _operand(w, forward, None, margin, sw, _BOTH)
     _observe(rows, "input", x, sx, forward)
     _observe(rows, "kernel", w, sw, forward)
-    out = _scaled(
-        fp8_backend.einsum_float32("mk,kn->mn", cx, cw, dtypes.out), sx * sw
+    # Fast accumulation in the forward GEMM only, as Transformer Engine
+    # and torchao: the gradients keep the full accumulation.
+    out = fp8_backend.scaled_einsum(
+        "mk,kn->mn", cx, cw_column, sx * sw, dtypes.out, True
     )
 
     def gradients(g):
         sg = _delayed_scale(scaling, 2, g, backward, margin, rows)
-        cg, sg = _operand(g, backward, None, margin, sg)
+        (cg, cg_column), sg = _operand(g, backward, None, margin, sg, _BOTH)
         _observe(rows, "output_gradient", g, sg, backward)
-        dx = _scaled(
-            fp8_backend.einsum_float32("mn,kn->mk", cg, cw, dtypes.dx), sg * sw
-        )
-        dw = _scaled(
-            fp8_backend.einsum_float32("mk,mn->kn", cx, cg, dtypes.dw), sx * sg
+        dx = fp8_backend.scaled_einsum("mn,kn->mk", cg, cw, sg * sw, dtypes.dx)
+        dw = fp8_backend.scaled_einsum(
+            "mk,mn->kn", cx_column, cg_column, sx * sg, dtypes.dw
         )
         return dx, dw
 
@@ -126,23 +153,25 @@ def _tensorwise(x, w, recipe, rows, dtypes, scaling=None):
 
 def _rowwise(x, w, recipe, rows, dtypes):
     """One scale per row of each GEMM's contracted axis: each operand is
-    quantized again for each GEMM it enters along another axis."""
+    quantized again for each GEMM it enters along another axis, in the
+    layout that GEMM takes it in."""
     forward, backward, margin = _formats(recipe)
-    cx, sx = _operand(x, forward, 1, margin)  # (M, 1)
-    cw, sw = _operand(w, forward, 0, margin)  # (1, N)
+    (cx,), sx = _operand(x, forward, 1, margin)  # (M, 1)
+    (cw,), sw = _kernel_operand(w, forward, 0, margin, ("column",))  # (1, N)
     _observe(rows, "input", x, sx, forward)
     _observe(rows, "kernel", w, sw, forward)
     product = fp8_backend.einsum_float32("mk,kn->mn", cx, cw, dtypes.out)
     out = _scaled(product, sx) * sw
 
     def gradients(g):
-        cg, sg = _operand(g, backward, 1, margin)  # (M, 1)
+        (cg,), sg = _operand(g, backward, 1, margin)  # (M, 1)
         _observe(rows, "output_gradient", g, sg, backward)
-        cw_n, sw_n = _operand(w, forward, 1, margin)  # (K, 1)
+        (cw_n,), sw_n = _kernel_operand(w, forward, 1, margin, _ROW)  # (K, 1)
         dx = fp8_backend.einsum_float32("mn,kn->mk", cg, cw_n, dtypes.dx)
         dx = _scaled(dx, sg) * ops.transpose(sw_n)
-        cx_m, sx_m = _operand(x, forward, 0, margin)  # (1, K)
-        cg_m, sg_m = _operand(g, backward, 0, margin)  # (1, N)
+        # (1, K) and (1, N): x^T is the A of the kernel gradient, g its B.
+        (cx_m,), sx_m = _operand(x, forward, 0, margin, layouts=("column",))
+        (cg_m,), sg_m = _operand(g, backward, 0, margin, layouts=("column",))
         dw = fp8_backend.einsum_float32("mk,mn->kn", cx_m, cg_m, dtypes.dw)
         dw = _scaled(dw, ops.transpose(sx_m)) * sg_m
         return dx, dw
@@ -184,10 +213,11 @@ def _block(x, w, recipe, rows, dtypes):
     k, n = w.shape
     tiles_k, tiles_n = k // BLOCK_SIZE, n // BLOCK_SIZE
     tiled_x = ops.reshape(x, (-1, tiles_k, BLOCK_SIZE))
-    tiled_w = ops.reshape(w, (tiles_k, BLOCK_SIZE, tiles_n, BLOCK_SIZE))
-    cx, sx = _operand(tiled_x, forward, 2, margin)  # (M, tiles_k, 1)
+    tiles = (tiles_k, BLOCK_SIZE, tiles_n, BLOCK_SIZE)
+    tiled_w = ops.reshape(w, tiles)
+    (cx,), sx = _operand(tiled_x, forward, 2, margin)  # (M, tiles_k, 1)
     # sw: (tiles_k, 1, tiles_n, 1)
-    cw, sw = _operand(tiled_w, forward, (1, 3), margin)
+    (cw,), sw = _kernel_operand(w, forward, (1, 3), margin, _ROW, tiles)
     _observe(rows, "input", tiled_x, sx, forward)
     _observe(rows, "kernel", tiled_w, sw, forward)
     partial = fp8_backend.einsum_float32("mtb,tbjc->tmjc", cx, cw)
@@ -196,17 +226,17 @@ def _block(x, w, recipe, rows, dtypes):
 
     def gradients(g):
         tiled_g = ops.reshape(g, (-1, tiles_n, BLOCK_SIZE))
-        cg, sg = _operand(tiled_g, backward, 2, margin)  # (M, n/128, 1)
+        (cg,), sg = _operand(tiled_g, backward, 2, margin)  # (M, n/128, 1)
         _observe(rows, "output_gradient", tiled_g, sg, backward)
         partial = fp8_backend.einsum_float32("mjc,tbjc->jmtb", cg, cw)
         sg_t = ops.expand_dims(ops.transpose(sg, (1, 0, 2)), -1)
         sw_t = ops.transpose(sw, (2, 1, 0, 3))
         dx = ops.reshape(_sum_tiles(partial * sg_t * sw_t), (-1, k))
         # The kernel gradient contracts the tokens: tiles of 128 tokens.
-        cx_m, sx_m = _operand(
+        (cx_m,), sx_m = _operand(
             ops.reshape(_pad_rows(x), (-1, BLOCK_SIZE, k)), forward, 1, margin
         )  # sx_m: (tiles_m, 1, K)
-        cg_m, sg_m = _operand(
+        (cg_m,), sg_m = _operand(
             ops.reshape(_pad_rows(g), (-1, BLOCK_SIZE, n)), backward, 1, margin
         )  # sg_m: (tiles_m, 1, N)
         partial = fp8_backend.einsum_float32("sbk,sbn->skn", cx_m, cg_m)

@@ -110,12 +110,26 @@ def gemm_operand(x, scale, fmt):
     FP8 codes of `x / scale` (`encode`), or, where the backend multiplies
     FP8 values faster as float32 (PyTorch on a CPU), the very values of
     those codes in float32 (`keras_mp.backend.fp8.round_to_format`)."""
+    return gemm_operands(x, scale, fmt, ("row",))[0]
+
+
+def gemm_operands(x, scale, fmt, layouts):
+    """`gemm_operand` once for each of `layouts`, a tuple of `"row"` and
+    `"column"`: `x`'s codes stored row-major, or column-major (for a GEMM
+    that takes `x` as its B, or `x^T` as its A). Where the layout of a
+    2-D operand matters (PyTorch's FP8 codes: cuBLASLt takes a row-major
+    A and a column-major B), each is written in one pass with the cast
+    (`keras_mp.backend.torch_fp8_operands`); elsewhere one tensor serves
+    every layout."""
     if backend_fp8.rounds_to_values(x):
-        return backend_fp8.round_to_format(x, scale, fmt, FORMATS[fmt][1])
-    return encode(x / scale, fmt)
+        values = backend_fp8.round_to_format(x, scale, fmt, FORMATS[fmt][1])
+        return (values,) * len(layouts)
+    if backend_fp8.has_layouts(x):
+        return backend_fp8.torch_gemm_operands(x, scale, fmt, layouts)
+    return (encode(x / scale, fmt),) * len(layouts)
 
 
-def quantize_reduced(x, fmt, axes, margin=0, scale=None, operand=False):
+def quantize_reduced(x, fmt, axes, margin=0, scale=None, layouts=None):
     """Codes of float32 `x` and scales from its amax over `axes`.
 
     Args:
@@ -124,19 +138,20 @@ def quantize_reduced(x, fmt, axes, margin=0, scale=None, operand=False):
         axes: The axes each scale covers (`None`: all of them).
         margin: Headroom in powers of two.
         scale: Scales to use instead (broadcastable to `x`), or None.
-        operand: Whether to return `gemm_operand`'s form of the codes
-            (for `keras_mp.backend.fp8.einsum_float32`) instead of FP8
-            codes.
+        layouts: None for FP8 codes, or a tuple of layouts for
+            `gemm_operands`' forms of them (for
+            `keras_mp.backend.fp8.einsum_float32`), one per layout.
 
     Returns:
-        `(codes, scale)`, the scale with `axes` kept as size-1 dimensions.
+        `(codes, scale)`, the scale with `axes` kept as size-1 dimensions
+        (`codes` a tuple where `layouts` is given).
     """
     if scale is None:
         # A NaN counts as inf: the scale must be non-finite.
         amax = backend_fp8.amax(x, axes)
         scale = scale_from_amax(amax, fmt, margin)
-    if operand:
-        return gemm_operand(x, scale, fmt), scale
+    if layouts is not None:
+        return gemm_operands(x, scale, fmt, layouts), scale
     return encode(x / scale, fmt), scale
 
 

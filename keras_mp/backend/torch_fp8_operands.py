@@ -1,0 +1,304 @@
+"""FP8 codes of a PyTorch GEMM operand, cast and laid out in one pass.
+
+cuBLASLt's FP8 GEMM (`torch._scaled_mm`) takes a row-major A and a
+column-major B. A tensorwise operand of `fp8.dot` enters two GEMMs, once
+in each layout (a Keras `[K, N]` kernel is B of the forward product,
+column-major, and `B^T` of the input gradient, row-major), so both layouts
+are written from one read of the float32 values, as torchao's eager
+kernels do, instead of a cast followed by eager transposes:
+
+- `"triton"`: a Triton kernel, for CUDA tensors where Triton imports
+  (torch's CUDA wheels depend on it; its CPU wheels do not, so it is
+  imported at first use). It clips with `tl.where` (Inductor's `clamp`
+  next to a transposed FP8 store mis-lowers in triton 3.8) and writes
+  E5M2's inf itself (PTX's `cvt.rn.satfinite` makes inf the largest
+  finite value).
+- `"compiled"`: where the kernel fails to build (another Triton),
+  `torch.compile` of the pure-torch function below, whose Inductor kernel
+  reads once and writes both layouts. Where a caller's `torch.compile` is
+  tracing, the function itself (it fuses into their graph).
+- `"copy"`: the same function run op by op (without Triton, or where the
+  compile failed too): each layout one cast-and-transpose copy
+  (`torch.empty_strided(...).copy_`), no separate transpose.
+
+An implementation that raises warns once and hands over to the next.
+
+All three give the codes of `keras_mp.fp8.quantize.encode(x / scale)`
+bit for bit: dividing by a power of two, or multiplying by its exact
+reciprocal, is one correctly rounded operation on the same real number;
+finite values beyond `±fmax` are clipped; inf stays inf in E5M2 and
+becomes NaN in E4M3; NaN stays NaN.
+
+Imports nothing from keras_mp.
+"""
+
+import functools
+import warnings
+
+# Layout name -> whether the operand is stored column-major.
+LAYOUTS = {"row": False, "column": True}
+IMPLEMENTATIONS = ("triton", "compiled", "copy")
+
+# The implementation to use instead of the device's best (tests set it),
+# or None.
+FORCED = None
+
+# Format name -> (torch dtype name, largest finite value, keeps inf).
+_FORMATS = {
+    "e4m3": ("float8_e4m3fn", 448.0, False),
+    "e5m2": ("float8_e5m2", 57344.0, True),
+}
+
+_compiled = None
+_kernel = None
+# The implementations that failed in this process: the next one serves.
+_failed = set()
+
+
+def encode(x, scale, fmt, layouts):
+    """FP8 codes of 2-D float32 `x / scale`, one tensor per layout.
+
+    Args:
+        x: A 2-D float32 torch tensor.
+        scale: Positive float32 power-of-two scales (or inf), a tensor
+            broadcastable to `x` (tensorwise, per row, per column).
+        fmt: `"e4m3"` or `"e5m2"`.
+        layouts: A tuple of `"row"` (row-major) and `"column"`
+            (column-major: strides `(1, rows)`), each at most once.
+
+    Returns:
+        A tuple of FP8 tensors of `x`'s shape, in the order of `layouts`.
+    """
+    import torch
+
+    if x.ndim != 2 or x.dtype != torch.float32:
+        raise ValueError(
+            "The fused FP8 quantization takes a 2-D float32 tensor. "
+            f"Received: x of shape {tuple(x.shape)} and dtype {x.dtype}. "
+            "Reshape and cast it first, or quantize it with "
+            "`keras_mp.fp8.quantize`."
+        )
+    if fmt not in _FORMATS:
+        raise ValueError(
+            f"`fmt` is one of {tuple(_FORMATS)}. Received: fmt={fmt!r}. "
+            "Pass 'e4m3' or 'e5m2'."
+        )
+    unknown = [layout for layout in layouts if layout not in LAYOUTS]
+    if unknown or not layouts or len(set(layouts)) != len(layouts):
+        raise ValueError(
+            f"`layouts` names each of {tuple(LAYOUTS)} at most once. "
+            f"Received: layouts={layouts!r}. Pass e.g. ('row', 'column')."
+        )
+    dtype_name, fmax, keeps_inf = _FORMATS[fmt]
+    dtype = getattr(torch, dtype_name)
+    implementation = implementation_for(x)
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    arguments = (x, scale, fmax, dtype, keeps_inf, layouts)
+    if implementation == "triton":
+        written = _falling_back("triton", _triton_encode, arguments, fmt)
+    elif implementation == "compiled":
+        written = _falling_back("compiled", _compiled_encode, arguments, fmt)
+    else:
+        written = encode_layouts(*arguments)
+    return tuple(written)
+
+
+def implementation_for(x):
+    """Which of `IMPLEMENTATIONS` prepares the operands of tensor `x`:
+    on CUDA with Triton, the kernel, else (where it failed) `torch.compile`
+    (Inductor's CUDA kernels need Triton too), else copies."""
+    import torch
+
+    if FORCED is not None:
+        return FORCED
+    if torch.compiler.is_compiling():
+        # Traced into the caller's graph: Inductor fuses it there.
+        return "copy"
+    if x.device.type != "cuda" or not triton_available():
+        # A CPU makes FP8 operands only where tests ask for `_scaled_mm`
+        # (`keras_mp.backend.fp8.SCALED_MM_ON_CPU`): not worth a compile.
+        return "copy"
+    for implementation in ("triton", "compiled"):
+        if implementation not in _failed:
+            return implementation
+    return "copy"
+
+
+@functools.cache
+def triton_available():
+    """Whether Triton imports (never on torch's CPU wheels)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _falling_back(implementation, function, arguments, fmt):
+    """`function(*arguments)`; where it raises (a Triton or a compiler
+    that cannot build it), a warning, and the next implementation from
+    then on (`encode` again). A forced implementation raises."""
+    try:
+        return function(*arguments)
+    except Exception as error:  # noqa: BLE001 - any kernel build failure
+        if FORCED is not None:
+            raise
+        _failed.add(implementation)
+        warnings.warn(
+            f"keras_mp FP8 on PyTorch: the {implementation!r} FP8 "
+            f"quantization failed ({type(error).__name__}: {error}); "
+            "the next one takes over from now on (the same codes, "
+            "possibly slower). Report it with your torch and triton "
+            "versions.",
+            stacklevel=3,
+        )
+        x, scale, *_, layouts = arguments
+        return encode(x, scale, fmt, layouts)
+
+
+def encode_layouts(x, scale, fmax, dtype, keeps_inf, layouts):
+    """The pure-torch quantization: eager (`"copy"`) or under
+    `torch.compile` (`"compiled"`). Clips with `where`, never `clamp`
+    (see the module docstring)."""
+    import torch
+
+    y = x / scale
+    clipped = torch.where(y > fmax, fmax, torch.where(y < -fmax, -fmax, y))
+    clipped = torch.where(
+        torch.isinf(y), y if keeps_inf else float("nan"), clipped
+    )
+    written = []
+    for layout in layouts:
+        if LAYOUTS[layout]:
+            rows, columns = x.shape
+            out = torch.empty_strided(
+                (rows, columns), (1, rows), dtype=dtype, device=x.device
+            )
+            written.append(out.copy_(clipped))
+        else:
+            written.append(clipped.to(dtype))
+    return written
+
+
+def _compiled_encode(x, scale, fmax, dtype, keeps_inf, layouts):
+    import torch
+
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(encode_layouts, fullgraph=True)
+    return _compiled(x, scale, fmax, dtype, keeps_inf, layouts)
+
+
+def _triton_encode(x, scale, fmax, dtype, keeps_inf, layouts):
+    import torch
+    import triton
+
+    kernel = _triton_kernel()
+    rows, columns = x.shape
+    # A power of two's reciprocal is exact (inf's is 0: x * 0 is x / inf,
+    # 0 or NaN), and a multiply is cheaper than a division.
+    inverse = torch.reciprocal(scale).expand(rows, columns)
+    outputs = {
+        layout: torch.empty_strided(
+            (rows, columns),
+            (1, rows) if LAYOUTS[layout] else (columns, 1),
+            dtype=dtype,
+            device=x.device,
+        )
+        for layout in layouts
+    }
+    # The kernel writes bytes; an output it does not write is a stand-in.
+    row = outputs.get("row", outputs.get("column")).view(torch.uint8)
+    column = outputs.get("column", outputs.get("row")).view(torch.uint8)
+    block = 64
+    grid = (triton.cdiv(rows, block), triton.cdiv(columns, block))
+    kernel[grid](
+        x,
+        inverse,
+        row,
+        column,
+        rows,
+        columns,
+        x.stride(0),
+        x.stride(1),
+        inverse.stride(0),
+        inverse.stride(1),
+        FMAX=fmax,
+        E5M2=keeps_inf,
+        ROW="row" in outputs,
+        COLUMN="column" in outputs,
+        BLOCK=block,
+    )
+    return [outputs[layout] for layout in layouts]
+
+
+def _triton_kernel():
+    global _kernel
+    if _kernel is not None:
+        return _kernel
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def quantize(
+        x_ptr,
+        inverse_ptr,
+        row_ptr,
+        column_ptr,
+        rows,
+        columns,
+        x_stride_row,
+        x_stride_column,
+        inverse_stride_row,
+        inverse_stride_column,
+        FMAX: tl.constexpr,
+        E5M2: tl.constexpr,
+        ROW: tl.constexpr,
+        COLUMN: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = (r[:, None] < rows) & (c[None, :] < columns)
+        x = tl.load(
+            x_ptr + r[:, None] * x_stride_row + c[None, :] * x_stride_column,
+            mask=mask,
+            other=0.0,
+        )
+        inverse = tl.load(
+            inverse_ptr
+            + r[:, None] * inverse_stride_row
+            + c[None, :] * inverse_stride_column,
+            mask=mask,
+            other=1.0,
+        )
+        y = x * inverse
+        clipped = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y))
+        infinite = (y == float("inf")) | (y == float("-inf"))
+        # Non-finite codes are written as bits, not cast: the cast is
+        # only asked to round finite values in range.
+        if E5M2:
+            codes = clipped.to(tl.float8e5, fp_downcast_rounding="rtne")
+            codes = codes.to(tl.uint8, bitcast=True)
+            # E5M2's +inf, -inf and NaN.
+            special = tl.where(y > 0, 0x7C, 0xFC)
+            special = tl.where(y != y, 0x7F, special).to(tl.uint8)
+            codes = tl.where(infinite | (y != y), special, codes)
+        else:
+            codes = clipped.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+            codes = codes.to(tl.uint8, bitcast=True)
+            # E4M3 has no inf: inf and NaN are its NaN.
+            codes = tl.where(infinite | (y != y), 0x7F, codes)
+        if ROW:
+            tl.store(
+                row_ptr + r[:, None] * columns + c[None, :], codes, mask=mask
+            )
+        if COLUMN:
+            tl.store(
+                column_ptr + c[:, None] * rows + r[None, :],
+                tl.trans(codes),
+                mask=tl.trans(mask),
+            )
+
+    _kernel = quantize
+    return _kernel

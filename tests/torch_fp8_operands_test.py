@@ -1,0 +1,221 @@
+"""`keras_mp.backend.torch_fp8_operands`: PyTorch's FP8 GEMM operands
+written in both layouts in one pass, bit for bit the oracle's codes.
+
+Each implementation (the eager copies, `torch.compile`, the Triton kernel
+under `TRITON_INTERPRET=1`) is compared with the NumPy + `ml_dtypes`
+oracle (`keras_mp.testing.fp8_reference.encode`) and with the eager
+`keras_mp.fp8.quantize.encode`, over every bfloat16 bit pattern (signs,
+subnormals, ±0, inf, NaN), ties and values beyond the format's range.
+"""
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from keras_mp.testing import fp8_reference as reference
+
+pytestmark = pytest.mark.backends("torch")
+
+FORMATS = ["e4m3", "e5m2"]
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _inputs(fmt):
+    """`(x, scale)`: 2-D float32 `x` whose `x / scale` holds every
+    bfloat16 bit pattern, ties between codes and values beyond `±fmax`."""
+    patterns = (np.arange(2**16, dtype=np.uint32) << 16).view(np.float32)
+    fmax = reference.FORMATS[fmt][1]
+    grid = reference.encode(np.linspace(-fmax, fmax, 4001), 1.0, fmt)
+    grid = grid.astype(np.float32)
+    ties = (grid[1:] + grid[:-1]) / 2
+    beyond = np.float32([1.01, 1.1, 1.5, 3e5, 3e33]) * fmax
+    y = np.concatenate([patterns, ties, beyond, -beyond])
+    y = np.resize(y, (len(y) // 96 + 1) * 96).reshape(-1, 96)
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = (y.astype(np.float64) * 8).astype(np.float32)
+    return x, np.float32(8.0)
+
+
+def _assert_codes(codes, expected):
+    """Equal code bits, NaN-ness compared (payloads differ by backend)."""
+    import torch
+
+    values = codes.float().numpy()
+    expected_values = expected.astype(np.float32)
+    nan = np.isnan(expected_values)
+    np.testing.assert_array_equal(np.isnan(values), nan)
+    bits = codes.contiguous().view(torch.uint8).numpy()
+    np.testing.assert_array_equal(bits[~nan], expected.view(np.uint8)[~nan])
+
+
+def _assert_layouts(row, column, shape):
+    assert tuple(row.shape) == tuple(column.shape) == shape
+    assert row.stride() == (shape[1], 1)
+    assert column.stride() == (1, shape[0])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("implementation", ["copy", "compiled"])
+def test_both_layouts_hold_the_oracles_codes_bit_for_bit(
+    implementation, fmt, monkeypatch
+):
+    import torch
+
+    from keras_mp.backend import torch_fp8_operands
+    from keras_mp.fp8.quantize import encode
+
+    monkeypatch.setattr(torch_fp8_operands, "FORCED", implementation)
+    x, scale = _inputs(fmt)
+    row, column = torch_fp8_operands.encode(
+        torch.from_numpy(x), torch.tensor(scale), fmt, ("row", "column")
+    )
+    _assert_layouts(row, column, x.shape)
+    expected = reference.encode(x, scale, fmt)
+    _assert_codes(row, expected)
+    _assert_codes(column, expected)
+    eager = encode(torch.from_numpy(x) / torch.tensor(scale), fmt)
+    np.testing.assert_array_equal(
+        row.view(torch.uint8).numpy(), eager.view(torch.uint8).numpy()
+    )
+    (alone,) = torch_fp8_operands.encode(
+        torch.from_numpy(x), torch.tensor(scale), fmt, ("column",)
+    )
+    assert alone.stride() == column.stride()
+    _assert_codes(alone, expected)
+
+
+_TRITON_SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    import ml_dtypes
+    import numpy as np
+    import torch
+
+    from keras_mp.backend import torch_fp8_operands
+
+    torch_fp8_operands.FORCED = "triton"
+    rng = np.random.default_rng(0)
+    failures = []
+    for fmt, dtype in (("e4m3", ml_dtypes.float8_e4m3fn),
+                       ("e5m2", ml_dtypes.float8_e5m2)):
+        fmax = float(ml_dtypes.finfo(dtype).max)
+        # 97 x 150: edge tiles that the masks must cut.
+        codes = np.clip(rng.normal(size=(97, 150)) * fmax / 8, -fmax, fmax)
+        codes = codes.astype(dtype)
+        y = codes.astype(np.float32)
+        specials = [np.inf, -np.inf, np.nan, 4 * fmax, -4 * fmax, -0.0]
+        for i, value in enumerate(specials):
+            y[i, i] = value
+        for scale_shape in ((), (97, 1), (1, 150)):
+            scale = np.exp2(rng.integers(-20, 20, scale_shape))
+            scale = np.asarray(scale, np.float32)
+            x = torch.from_numpy(y * scale)
+            row, column = torch_fp8_operands.encode(
+                x, torch.from_numpy(scale), fmt, ("row", "column")
+            )
+            if row.stride() != (150, 1) or column.stride() != (1, 97):
+                failures.append((fmt, scale_shape, "strides"))
+            expected = np.clip(y, -fmax, fmax)
+            expected = np.where(np.isinf(y), y, expected).astype(dtype)
+            nan = np.isnan(expected.astype(np.float32))
+            for name, got in (("row", row), ("column", column)):
+                values = got.float().numpy()
+                bits = got.contiguous().view(torch.uint8).numpy()
+                if (np.isnan(values) != nan).any() or (
+                    bits[~nan] != expected.view(np.uint8)[~nan]
+                ).any():
+                    failures.append((fmt, scale_shape, name))
+    print(failures)
+    sys.exit(1 if failures else 0)
+    """
+)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton"
+)
+def test_the_triton_kernel_writes_both_layouts_under_the_interpreter():
+    """Indexing, masks, per-row and per-column scales and the special
+    values; finite values on the FP8 grid only, since the interpreter's
+    FP8 cast rounds ties away and loses carries (triton 3.9.0): a GPU
+    checks the rounding. In a fresh process: `TRITON_INTERPRET` is read
+    when Triton is imported, and Triton's LLVM clashes with TensorFlow's
+    in one process."""
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        KERAS_BACKEND="torch",
+        PYTHONPATH=os.pathsep.join(
+            [str(_ROOT), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", _TRITON_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+
+
+def test_a_failing_implementation_warns_and_hands_over(monkeypatch):
+    import torch
+
+    from keras_mp.backend import torch_fp8_operands
+
+    monkeypatch.setattr(torch_fp8_operands, "_failed", set())
+
+    def failing(*arguments):
+        raise RuntimeError("no such PTX instruction")
+
+    x = torch.tensor([[1.0, -500.0], [float("inf"), 3.0]])
+    scale = torch.tensor(1.0)
+    with pytest.warns(UserWarning, match="'triton' FP8 quantization failed"):
+        written = torch_fp8_operands._falling_back(
+            "triton",
+            failing,
+            (x, scale, 448.0, torch.float8_e4m3fn, False, ("row", "column")),
+            "e4m3",
+        )
+    assert torch_fp8_operands._failed == {"triton"}
+    expected = reference.encode(x.numpy(), np.float32(1.0), "e4m3")
+    for codes in written:
+        _assert_codes(codes, expected)
+    monkeypatch.setattr(torch_fp8_operands, "FORCED", "compiled")
+    with pytest.raises(RuntimeError, match="PTX"):
+        torch_fp8_operands._falling_back(
+            "compiled",
+            failing,
+            (x, scale, 448.0, torch.float8_e4m3fn, False, ("row",)),
+            "e4m3",
+        )
+
+
+@pytest.mark.parametrize(
+    "shape, layouts, match",
+    [
+        ((4, 4), ("row",), "fmt"),
+        ((2, 3, 4), ("row",), "2-D float32"),
+        ((4, 4), ("rows",), "layouts"),
+        ((4, 4), ("row", "row"), "layouts"),
+        ((4, 4), (), "layouts"),
+    ],
+)
+def test_bad_operands_raise_naming_the_fix(shape, layouts, match):
+    import torch
+
+    from keras_mp.backend import torch_fp8_operands
+
+    fmt = "e3m4" if match == "fmt" else "e4m3"
+    with pytest.raises(ValueError, match=match):
+        torch_fp8_operands.encode(
+            torch.ones(shape), torch.tensor(1.0), fmt, layouts
+        )
