@@ -14,6 +14,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
@@ -219,3 +220,16 @@ def test_bad_operands_raise_naming_the_fix(shape, layouts, match):
         torch_fp8_operands.encode(
             torch.ones(shape), torch.tensor(1.0), fmt, layouts
         )
+
+
+def test_triton_is_never_imported_after_tensorflow(monkeypatch):
+    """Importing Triton in a process that loaded TensorFlow aborts it (the
+    two LLVMs' options clash): with TensorFlow loaded, CUDA operands are
+    written by copies, neither the Triton kernel nor Inductor's."""
+    from keras_mp.backend import torch_fp8_operands
+
+    monkeypatch.setattr(torch_fp8_operands, "triton_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "tensorflow", types.ModuleType("tf"))
+    assert not torch_fp8_operands.triton_usable()
+    monkeypatch.delitem(sys.modules, "tensorflow")
+    assert torch_fp8_operands.triton_usable()

@@ -33,6 +33,7 @@ Imports nothing from keras_mp.
 """
 
 import functools
+import sys
 import warnings
 
 # Layout name -> whether the operand is stored column-major.
@@ -114,7 +115,7 @@ def implementation_for(x):
     if torch.compiler.is_compiling():
         # Traced into the caller's graph: Inductor fuses it there.
         return "copy"
-    if x.device.type != "cuda" or not triton_available():
+    if x.device.type != "cuda" or not triton_usable():
         # A CPU makes FP8 operands only where tests ask for `_scaled_mm`
         # (`keras_mp.backend.fp8.SCALED_MM_ON_CPU`): not worth a compile.
         return "copy"
@@ -122,6 +123,16 @@ def implementation_for(x):
         if implementation not in _failed:
             return implementation
     return "copy"
+
+
+def triton_usable():
+    """Whether Triton may be imported here: installed, and TensorFlow not
+    loaded in this process. Both link LLVM statically and register the same
+    command-line options: importing Triton after TensorFlow aborts the
+    process ("LLVM ERROR: inconsistency in registered CommandLine
+    options", triton 3.9 with TensorFlow 2.21). Inductor's CUDA kernels
+    import Triton too, so without it the operands are plain copies."""
+    return "tensorflow" not in sys.modules and triton_available()
 
 
 @functools.cache
