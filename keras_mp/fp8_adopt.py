@@ -1,7 +1,7 @@
 """`keras_mp.fp8.adopt`: Keras's float8 layers taken over by keras_mp's
 delayed FP8 scaling, their amax histories kept.
 
-On floor 4: it turns layers into the FP8 layers of `fp8_layers.py`, which
+On floor 4: it turns layers into the FP8 layers of `fp8_layers/`, which
 `keras_mp.fp8` (floor 3) must not import, so the package's face
 (`keras_mp/__init__.py`) puts `adopt` into `keras_mp.fp8`. Imports from
 keras_mp only `_keras_internals`, `fp8`, `fp8_layers`, `policy`.

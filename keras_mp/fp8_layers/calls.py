@@ -1,0 +1,142 @@
+"""The `Dense.call` and `EinsumDense.call` hooks: a layer with an FP8
+recipe runs its GEMM with `fp8.dot` / `fp8.einsum` (a frozen layer on its
+stored codes), then its LoRA path, bias and activation in the compute
+dtype; every other layer runs Keras's call unchanged.
+"""
+
+import functools
+
+import keras
+import ml_dtypes
+import numpy as np
+
+from keras_mp import fp8
+from keras_mp.backend import fp8 as backend_fp8
+from keras_mp.fp8 import delayed as delayed_module
+from keras_mp.fp8 import rules as rules_module
+from keras_mp.fp8_layers import lora
+from keras_mp.fp8_layers.decisions import layer_recipe
+from keras_mp.fp8_layers.state import delayed_scaling
+from keras_mp.fp8_layers.state import static_state
+from keras_mp.fp8_layers.state import stats_input
+from keras_mp.fp8_layers.state import stored
+
+# The float32 value of each E4M3 code, by its bit pattern.
+_E4M3_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+_E4M3_VALUES = _E4M3_VALUES.astype(np.float32)
+
+
+def _static_output(layer, recipe, inputs, training, equation=None):
+    """A frozen layer's GEMM: the input quantized with its fixed scale, the
+    stored kernel codes with theirs (the same FP8 GEMM `fp8.dot` runs, on
+    the same codes). For inference only."""
+    if training:
+        raise ValueError(
+            f"Layer {layer.name!r} was frozen for inference by "
+            "`keras_mp.fp8.freeze`: its kernel is stored as FP8 codes and "
+            "cannot train. Received: a call with training=True. Train the "
+            "model before freezing it, and use the frozen one with "
+            "`predict` or `model(x)`."
+        )
+    state = static_state(layer)
+    ops = keras.ops
+    codes = ops.cast(stored(state["fp8_kernel_codes"]), "int32")
+    kernel_scale = stored(state["fp8_kernel_scale"])
+    kernel = ops.take(_E4M3_VALUES, codes) * kernel_scale
+    scaling = delayed_module.Scaling(
+        scales=ops.stack([stored(state["fp8_input_scale"]), kernel_scale, 1.0]),
+        first=ops.convert_to_tensor(False),
+        parity=ops.zeros((2,), "float32"),
+        loss_scale=ops.convert_to_tensor(1.0, "float32"),
+    )
+    gemm_recipe = fp8.Recipe(
+        scaling="delayed", formats=recipe.formats, margin=recipe.margin
+    )
+    kwargs = dict(
+        recipe=gemm_recipe,
+        output_dtype=layer.compute_dtype,
+        stats=ops.zeros(delayed_module.CARRIER_SHAPE, "float32"),
+        delayed=scaling,
+    )
+    if equation is None:
+        return fp8.dot(inputs, kernel, **kwargs)
+    return fp8.einsum(equation, inputs, kernel, **kwargs)
+
+
+def _calibrate(layer, inputs):
+    """Records the amax of a call's inputs while `fp8.freeze` calibrates."""
+    amaxes = getattr(layer, "_keras_mp_fp8_calibration", None)
+    if amaxes is not None:
+        value = backend_fp8.amax(keras.ops.cast(inputs, "float32"), None)
+        amaxes.append(float(keras.ops.convert_to_numpy(value).max()))
+
+
+def _call_recipe(layer):
+    """The recipe this call runs with, or None for Keras's own call."""
+    recipe = layer_recipe(layer)
+    if recipe is None:
+        return None
+    rules_module.check_layer(layer, recipe)
+    return recipe
+
+
+def _bias_and_activation(layer, x):
+    if layer.bias is not None:
+        x = keras.ops.add(x, layer.bias)
+    if layer.activation is not None:
+        x = layer.activation(x)
+    return x
+
+
+def install_call_hooks():
+    dense_call = keras.layers.Dense.call
+    einsum_call = keras.layers.EinsumDense.call
+    if getattr(dense_call, "_keras_mp_hook", False):
+        return
+
+    @functools.wraps(dense_call)
+    def dense(self, inputs, training=None):
+        recipe = _call_recipe(self)
+        if recipe is None:
+            return dense_call(self, inputs, training=training)
+        _calibrate(self, inputs)
+        if recipe.scaling == "static":
+            x = _static_output(self, recipe, inputs, training)
+            return _bias_and_activation(self, x)
+        stats = stats_input(self, recipe)
+        x = fp8.dot(
+            inputs,
+            lora.gemm_kernel(self),
+            recipe=recipe,
+            output_dtype=self.compute_dtype,
+            stats=stats,
+            delayed=delayed_scaling(self, recipe, stats),
+        )
+        return _bias_and_activation(self, lora.add_lora(self, inputs, x))
+
+    @functools.wraps(einsum_call)
+    def einsum_dense(self, inputs, training=None):
+        recipe = _call_recipe(self)
+        if recipe is None:
+            return einsum_call(self, inputs, training=training)
+        _calibrate(self, inputs)
+        if recipe.scaling == "static":
+            x = _static_output(self, recipe, inputs, training, self.equation)
+            return _bias_and_activation(self, x)
+        stats = stats_input(self, recipe)
+        x = fp8.einsum(
+            self.equation,
+            inputs,
+            lora.gemm_kernel(self),
+            recipe=recipe,
+            output_dtype=self.compute_dtype,
+            stats=stats,
+            delayed=delayed_scaling(self, recipe, stats),
+        )
+        x = lora.add_lora(self, inputs, x, self.equation)
+        return _bias_and_activation(self, x)
+
+    dense._keras_mp_hook = True
+    einsum_dense._keras_mp_hook = True
+    keras.layers.Dense.call = dense
+    keras.layers.EinsumDense.call = einsum_dense

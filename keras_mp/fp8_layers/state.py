@@ -1,0 +1,198 @@
+"""An FP8 layer's own state: the statistics carrier of a `stats=True` or
+delayed recipe (`sync_stats_carrier`), delayed scaling's history, step
+count and scales (`delayed_state`, folded at each call by
+`delayed_scaling`), and a frozen layer's codes and scales
+(`static_state`); `check_model` checks a model's layers and syncs their
+state with their decided recipes.
+"""
+
+import keras
+
+from keras_mp import _keras_internals
+from keras_mp.fp8 import delayed as delayed_module
+from keras_mp.fp8 import stats as stats_module
+from keras_mp.fp8_layers.decisions import check_layer
+from keras_mp.fp8_layers.decisions import has_gemm
+from keras_mp.fp8_layers.decisions import layer_recipe
+
+
+def check_model(model):
+    """`check_layer` for `model` and each of its layers, whose statistics
+    carriers then follow their (now decided) recipes."""
+    for layer in _keras_internals.all_layers(model):
+        check_layer(layer)
+        if layer.built:
+            sync_stats_carrier(layer)
+
+
+def sync_stats_carrier(layer):
+    """Gives a built FP8 layer the state its recipe asks for, and takes
+    from it any it no longer needs: the statistics carrier (see
+    `keras_mp/fp8/stats.py`) with `stats=True` or `scaling="delayed"`, and
+    the delayed-scaling state (`fp8_amax_history`, `fp8_steps`,
+    `fp8_scale`) with `scaling="delayed"`.
+
+    Called when the layer builds and when its model is built, where
+    `decide` may take a recipe back (from the model's output layers): a
+    layer without an FP8 recipe never keeps FP8 state.
+    """
+    recipe = layer_recipe(layer)
+    usable = recipe is not None and has_gemm(layer)
+    delayed = usable and recipe.scaling == "delayed"
+    static = usable and recipe.scaling == "static"
+    if static and not static_state(layer):
+        _make_static(layer)
+    wanted = usable and not static and (recipe.stats or delayed)
+    shape = delayed_module.CARRIER_SHAPE if delayed else stats_module.SHAPE
+    carrier = stats_module.layer_carrier(layer)
+    if carrier is not None and tuple(carrier.shape) != shape:
+        _keras_internals.untrack_variable(layer, carrier)
+        carrier = None
+    if wanted and carrier is None:
+        # A layer may be given its recipe after it was built (a path rule
+        # applied when its model is built).
+        carrier = _keras_internals.add_weight_to_built_layer(
+            layer,
+            name="fp8_stats",
+            shape=shape,
+            initializer="zeros",
+            dtype="float32",
+            trainable=True,
+            autocast=False,
+            overwrite_with_gradient=True,
+        )
+        carrier._keras_mp_fp8_stats = True
+    elif carrier is not None and not wanted:
+        _keras_internals.untrack_variable(layer, carrier)
+    history = recipe.amax_history if delayed else None
+    for name, variable in delayed_state(layer).items():
+        wrong = name == "fp8_amax_history" and variable.shape[1] != history
+        if not delayed or wrong:
+            _keras_internals.untrack_variable(layer, variable)
+    if delayed and not delayed_state(layer):
+        _add_delayed_state(layer, history)
+
+
+# The attributes that mark a layer's delayed-scaling and frozen variables.
+_DELAYED_TAG = "_keras_mp_fp8_state"
+_STATIC_TAG = "_keras_mp_fp8_static"
+STATE_SHAPES = {
+    "fp8_amax_history": lambda h: (len(stats_module.TENSORS), h),
+    "fp8_steps": lambda h: (),
+    "fp8_scale": lambda h: (len(stats_module.TENSORS),),
+}
+
+
+def _add_tagged_state(layer, tag, specs, **kwargs):
+    """Adds non-trainable variables `{name: (shape, dtype, initializer)}`
+    to a built layer, each tagged with its name under attribute `tag`
+    (`_tagged_state` finds them again)."""
+    for name, (shape, dtype, initializer) in specs.items():
+        variable = _keras_internals.add_weight_to_built_layer(
+            layer,
+            name=name,
+            shape=shape,
+            initializer=initializer,
+            dtype=dtype,
+            trainable=False,
+            autocast=False,
+            **kwargs,
+        )
+        setattr(variable, tag, name)
+
+
+def _tagged_state(layer, tag):
+    """`{name: variable}` of `layer`'s own variables tagged under `tag`."""
+    own = _keras_internals.own_variables(layer)
+    return {
+        getattr(v, tag): v for v in own if getattr(v, tag, None) is not None
+    }
+
+
+def _add_delayed_state(layer, history):
+    specs = {
+        name: (
+            shape(history),
+            "int32" if name == "fp8_steps" else "float32",
+            "zeros",
+        )
+        for name, shape in STATE_SHAPES.items()
+    }
+    # Every replica folds the same carrier into the same state.
+    _add_tagged_state(
+        layer, _DELAYED_TAG, specs, aggregation="only_first_replica"
+    )
+
+
+def _make_static(layer):
+    """Gives a layer the state of a static (frozen) recipe, in place of
+    its float kernel: the kernel's FP8 E4M3 codes (uint8 bit patterns),
+    the kernel's scale and the input's (assigned by `fp8.freeze` or a
+    load)."""
+    if layer._kernel is None:
+        return
+    shape = tuple(layer._kernel.shape)
+    _keras_internals.untrack_variable(layer, layer._kernel)
+    layer._kernel = None
+    specs = {
+        "fp8_kernel_codes": (shape, "uint8", "zeros"),
+        "fp8_kernel_scale": ((), "float32", "ones"),
+        "fp8_input_scale": ((), "float32", "ones"),
+    }
+    _add_tagged_state(layer, _STATIC_TAG, specs)
+
+
+def static_state(layer):
+    """`{name: variable}` of a frozen layer's codes and scales, or `{}`."""
+    return _tagged_state(layer, _STATIC_TAG)
+
+
+def delayed_state(layer):
+    """`{name: variable}` of `layer`'s delayed-scaling state, or `{}`."""
+    return _tagged_state(layer, _DELAYED_TAG)
+
+
+def stored(variable):
+    # The GEMM quantizes the stored (float32) kernel: rounding it to the
+    # compute dtype first would round twice, and its gradient would pass
+    # through the compute dtype on the way to a float32 variable. A read
+    # (`copy`), not the variable: TensorFlow's custom gradient refuses a
+    # function that captures a variable.
+    with _keras_internals.without_autocast():
+        return keras.ops.copy(variable)
+
+
+def stats_input(layer, recipe):
+    if not (recipe.stats or recipe.scaling == "delayed"):
+        return None
+    carrier = stats_module.layer_carrier(layer)
+    return None if carrier is None else stored(carrier)
+
+
+def delayed_scaling(layer, recipe, carrier):
+    """Folds a fresh carrier into the layer's delayed state and returns
+    the `delayed.Scaling` of this call; None for current scaling."""
+    if recipe.scaling != "delayed":
+        return None
+    state = delayed_state(layer)
+    if carrier is None or not state:
+        raise ValueError(
+            f"Layer {layer.name!r} runs delayed FP8 scaling but has no "
+            "FP8 state: it was given its recipe after it was built, "
+            "outside a model keras_mp saw. Received: fp8="
+            f"{recipe!r}. Set the policy before building the layer."
+        )
+    history, steps = delayed_module.fold(
+        stored(state["fp8_amax_history"]),
+        stored(state["fp8_steps"]),
+        carrier,
+    )
+    scaling = delayed_module.scaling(history, steps, carrier, recipe)
+    state["fp8_amax_history"].assign(history)
+    state["fp8_steps"].assign(steps)
+    state["fp8_scale"].assign(
+        keras.ops.where(
+            scaling.first, keras.ops.zeros_like(scaling.scales), scaling.scales
+        )
+    )
+    return scaling
