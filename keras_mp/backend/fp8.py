@@ -114,10 +114,13 @@ def einsum_float32(equation, a, b, result_dtype="float32"):
             multiplying it by power-of-two scales. Where it is `"bfloat16"`
             and the operands are float32 values on the FP8 grid (PyTorch
             on a CPU), a 2-D product runs as a bfloat16 GEMM, which sums in
-            float32 and rounds once to bfloat16, as the cast after it
-            would (FP8 values are exact in bfloat16); on JAX, and on
+            float32 and rounds once to bfloat16 (FP8 values are exact in
+            bfloat16), but in its own order: it may differ from the
+            float32 GEMM's sum, rounded, by 1 bfloat16 ulp (seen at K =
+            257 and 1024; tests/fp8_compiler_gemm_test.py); on JAX, and on
             TensorFlow under XLA, the GEMM returns bfloat16 (a float32 sum
-            rounded once). Defaults to `"float32"`.
+            rounded once, bit for bit the float32 result rounded on a CPU).
+            Defaults to `"float32"`.
 
     Returns:
         A float32 tensor, or a bfloat16 one as `result_dtype` allows.
