@@ -58,6 +58,11 @@ def _static_output(layer, recipe, inputs, training, equation=None):
         stats=ops.zeros(delayed_module.CARRIER_SHAPE, "float32"),
         delayed=scaling,
     )
+    return _gemm(equation, inputs, kernel, **kwargs)
+
+
+def _gemm(equation, inputs, kernel, **kwargs):
+    """`fp8.dot` for a `Dense` (`equation` None), else `fp8.einsum`."""
     if equation is None:
         return fp8.dot(inputs, kernel, **kwargs)
     return fp8.einsum(equation, inputs, kernel, **kwargs)
@@ -88,55 +93,49 @@ def _bias_and_activation(layer, x):
     return x
 
 
+def _fp8_output(layer, recipe, inputs, training, equation=None):
+    """The FP8 call of a `Dense` (`equation` None) or `EinsumDense`: its
+    GEMM (a frozen layer's on its stored codes), LoRA path, bias and
+    activation."""
+    _calibrate(layer, inputs)
+    if recipe.scaling == "static":
+        x = _static_output(layer, recipe, inputs, training, equation)
+        return _bias_and_activation(layer, x)
+    stats = stats_input(layer, recipe)
+    kernel = lora.gemm_kernel(layer)
+    kwargs = dict(
+        recipe=recipe,
+        output_dtype=layer.compute_dtype,
+        stats=stats,
+        delayed=delayed_scaling(layer, recipe, stats),
+    )
+    x = _gemm(equation, inputs, kernel, **kwargs)
+    x = lora.add_lora(layer, inputs, x, equation)
+    return _bias_and_activation(layer, x)
+
+
+def _call_hook(original, equation):
+    """`original` (Keras's `call`), or the FP8 call where the layer's
+    policy has a recipe; `equation(layer)` gives the einsum equation, or
+    None for a `Dense`."""
+
+    @functools.wraps(original)
+    def call(self, inputs, training=None):
+        recipe = _call_recipe(self)
+        if recipe is None:
+            return original(self, inputs, training=training)
+        return _fp8_output(self, recipe, inputs, training, equation(self))
+
+    call._keras_mp_hook = True
+    return call
+
+
 def install_call_hooks():
-    dense_call = keras.layers.Dense.call
-    einsum_call = keras.layers.EinsumDense.call
-    if getattr(dense_call, "_keras_mp_hook", False):
+    if getattr(keras.layers.Dense.call, "_keras_mp_hook", False):
         return
-
-    @functools.wraps(dense_call)
-    def dense(self, inputs, training=None):
-        recipe = _call_recipe(self)
-        if recipe is None:
-            return dense_call(self, inputs, training=training)
-        _calibrate(self, inputs)
-        if recipe.scaling == "static":
-            x = _static_output(self, recipe, inputs, training)
-            return _bias_and_activation(self, x)
-        stats = stats_input(self, recipe)
-        x = fp8.dot(
-            inputs,
-            lora.gemm_kernel(self),
-            recipe=recipe,
-            output_dtype=self.compute_dtype,
-            stats=stats,
-            delayed=delayed_scaling(self, recipe, stats),
-        )
-        return _bias_and_activation(self, lora.add_lora(self, inputs, x))
-
-    @functools.wraps(einsum_call)
-    def einsum_dense(self, inputs, training=None):
-        recipe = _call_recipe(self)
-        if recipe is None:
-            return einsum_call(self, inputs, training=training)
-        _calibrate(self, inputs)
-        if recipe.scaling == "static":
-            x = _static_output(self, recipe, inputs, training, self.equation)
-            return _bias_and_activation(self, x)
-        stats = stats_input(self, recipe)
-        x = fp8.einsum(
-            self.equation,
-            inputs,
-            lora.gemm_kernel(self),
-            recipe=recipe,
-            output_dtype=self.compute_dtype,
-            stats=stats,
-            delayed=delayed_scaling(self, recipe, stats),
-        )
-        x = lora.add_lora(self, inputs, x, self.equation)
-        return _bias_and_activation(self, x)
-
-    dense._keras_mp_hook = True
-    einsum_dense._keras_mp_hook = True
-    keras.layers.Dense.call = dense
-    keras.layers.EinsumDense.call = einsum_dense
+    keras.layers.Dense.call = _call_hook(
+        keras.layers.Dense.call, lambda layer: None
+    )
+    keras.layers.EinsumDense.call = _call_hook(
+        keras.layers.EinsumDense.call, lambda layer: layer.equation
+    )
