@@ -21,7 +21,7 @@ from keras_mp import fp8_layers
 from keras_mp import policy as policy_module
 from keras_mp.fp8 import delayed as delayed_module
 from keras_mp.fp8 import stats as stats_module
-from keras_mp.fp8.quantize import scale_from_amax
+from keras_mp.fp8.codes import scale_from_amax
 from keras_mp.policy import Policy
 
 

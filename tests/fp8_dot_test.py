@@ -539,17 +539,17 @@ def test_torch_operands_reach_scaled_mm_in_its_layouts_without_copies(
 def _count_kernel_quantizations(monkeypatch, kernel_shapes):
     """A list that grows by one per quantization of a tensor of one of
     `kernel_shapes`."""
-    # The module: `keras_mp.fp8.dot` is the function.
-    dot_module = importlib.import_module("keras_mp.fp8.dot")
+    # Every quantizer's kernel operand goes through `base.operand`.
+    quantizer_base = importlib.import_module("keras_mp.fp8.quantizers.base")
     counted = []
-    operand = dot_module._operand
+    operand = quantizer_base.operand
 
     def counting(x, *args, **kwargs):
         if tuple(x.shape) in kernel_shapes:
             counted.append(tuple(x.shape))
         return operand(x, *args, **kwargs)
 
-    monkeypatch.setattr(dot_module, "_operand", counting)
+    monkeypatch.setattr(quantizer_base, "operand", counting)
     return counted
 
 

@@ -277,7 +277,7 @@ def test_torch_quantizes_each_kernel_once_per_optimizer_step(
     """Micro-steps of gradient accumulation and repeated calls share the
     kernel's FP8 codes until the optimizer updates it; training gives the
     bits of quantizing the kernel at every call."""
-    dot_module = importlib.import_module("keras_mp.fp8.dot")
+    quantizer_base = importlib.import_module("keras_mp.fp8.quantizers.base")
     from keras_mp.backend import fp8 as backend_fp8
 
     policy = keras_mp.Policy("float32", fp8=True)
@@ -299,7 +299,7 @@ def test_torch_quantizes_each_kernel_once_per_optimizer_step(
         return to_numpy(layer.kernel)
 
     counted = []
-    operand = dot_module._operand
+    operand = quantizer_base.operand
 
     def counting(t, *args, **kwargs):
         # Not the output-shape inference of Keras's build, on `meta`.
@@ -307,7 +307,7 @@ def test_torch_quantizes_each_kernel_once_per_optimizer_step(
             counted.append(1)
         return operand(t, *args, **kwargs)
 
-    monkeypatch.setattr(dot_module, "_operand", counting)
+    monkeypatch.setattr(quantizer_base, "operand", counting)
     kernel = train()
     # 4 batches, 2 optimizer updates: the kernel is quantized for the
     # first micro-step and again after each update.

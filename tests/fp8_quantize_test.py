@@ -144,13 +144,49 @@ def test_nonfinite_values_give_nonfinite_scales_never_clipped(mode, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"{m[0]}{m[1]}{m[2]}")
+def test_dequantize_gives_back_the_values_of_the_codes(mode, fmt):
+    """`fp8.dequantize` undoes `fp8.quantize` for every granularity: each
+    code times its own scale, as the oracle's float64 product (exact)."""
+    granularity, axis, block_shape = mode
+    x = _with_specials(_data(fmt, "float32", seed=3), fmt)
+    codes, scale = fp8.quantize(
+        x, fmt, granularity, axis=axis, block_shape=block_shape
+    )
+    values = fp8.dequantize(
+        codes, scale, fmt, granularity, axis=axis, block_shape=block_shape
+    )
+    expected = reference.dequantized(x, fmt, granularity, axis, block_shape)
+    assert to_numpy(values).dtype == np.float32
+    np.testing.assert_array_equal(to_numpy(values), expected.astype(np.float32))
+
+
+def test_dequantize_names_what_it_expected():
+    codes, scale = fp8.quantize(np.ones((4, 128), "float32"), "e4m3", "rowwise")
+    with pytest.raises(
+        TypeError, match="float8_e5m2.*Received: codes of dtype"
+    ):
+        fp8.dequantize(codes, scale, "e5m2", "rowwise")
+    with pytest.raises(
+        ValueError, match='tiles a tensor for granularity="block"'
+    ):
+        fp8.dequantize(codes, scale, "e4m3", "rowwise", block_shape=(128, 128))
+    with pytest.raises(ValueError, match="`axis` is an axis of `x`"):
+        fp8.dequantize(codes, scale, "e4m3", "rowwise", axis=2)
+    with pytest.raises(
+        ValueError, match='tiles a tensor for granularity="block"'
+    ):
+        fp8.quantize(np.ones((128, 128), "float32"), block_shape=(128, 128))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_gemm_operands_hold_the_values_of_the_codes_bit_for_bit(fmt):
     """What `fp8.dot`'s GEMMs multiply: FP8 codes, or on PyTorch's CPU the
     codes' values rounded in float32 arithmetic; either way the values of
     the oracle's codes, over every bfloat16 bit pattern (every sign,
     exponent and 7 leading mantissa bits: ±0, subnormals, inf, NaN),
     the test data, ties, and finite values beyond the format's range."""
-    from keras_mp.fp8.quantize import gemm_operand
+    from keras_mp.fp8.codes import gemm_operand
 
     patterns = (np.arange(2**16, dtype=np.uint32) << 16).view(np.float32)
     data = _with_specials(_data(fmt, "float32", seed=4), fmt).ravel()

@@ -69,7 +69,7 @@ def test_both_layouts_hold_the_oracles_codes_bit_for_bit(
     import torch
 
     from keras_mp.backend import torch_fp8_operands
-    from keras_mp.fp8.quantize import encode
+    from keras_mp.fp8.codes import encode
 
     monkeypatch.setattr(torch_fp8_operands, "FORCED", implementation)
     x, scale = _inputs(fmt)

@@ -8,6 +8,7 @@ Keras's float8 layers into keras_mp's FP8 layers (floor 4,
 
 from keras_mp.fp8.dot import dot
 from keras_mp.fp8.einsum import einsum
+from keras_mp.fp8.quantize import dequantize
 from keras_mp.fp8.quantize import quantize
 from keras_mp.fp8.recipe import DEFAULT_RECIPE
 from keras_mp.fp8.recipe import Recipe
@@ -24,6 +25,7 @@ __all__ = [
     "Report",
     "ReportRow",
     "Rules",
+    "dequantize",
     "dot",
     "einsum",
     "quantize",

@@ -42,7 +42,7 @@ import collections
 from keras import ops
 
 from keras_mp.fp8 import stats as stats_module
-from keras_mp.fp8.quantize import scale_from_amax
+from keras_mp.fp8.codes import scale_from_amax
 
 # The carrier of a delayed layer: the statistics columns, two parity
 # columns and the loss scale of the next step.

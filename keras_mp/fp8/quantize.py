@@ -1,170 +1,21 @@
-"""`quantize`: a tensor as FP8 codes and float32 power-of-two scales.
+"""`quantize` and `dequantize`: a tensor as FP8 codes and float32 scales.
 
-The scale of a set of values is the smallest power of two `s` with
-`amax / s <= fmax / 2**margin`, where `amax` is their largest absolute
-value and `fmax` the format's largest finite value: Transformer Engine's
-and DeepSeek-V3's power-of-two convention, `s = 2**ceil(log2(amax /
-(fmax / 2**margin)))`, computed exactly from the bits of `amax` (no
-`log2`, whose float32 result is not exact on every backend). Dividing by
-a power of two is exact, so the only rounding is the cast to FP8, and a
-loss scale of `2**k` moves every scale by `2**k` and changes no code.
+The public entry points of `keras_mp/fp8/quantizers/`: each granularity's
+quantizer says how it tiles a tensor and undoes it; the codes and the
+power-of-two scales come from `codes.py`.
 
-Imports only `keras_mp.fp8.recipe` and `keras_mp.backend.fp8`.
+Imports only `keras_mp.backend` and its `keras_mp.fp8` siblings.
 """
 
 import keras
 from keras import ops
 
-from keras_mp.backend import fp8 as backend_fp8
-from keras_mp.fp8.recipe import BLOCK_SIZE
+from keras_mp.fp8 import quantizers
+from keras_mp.fp8.codes import FORMATS
+from keras_mp.fp8.codes import check_float
+from keras_mp.fp8.codes import check_format
 from keras_mp.fp8.recipe import GRANULARITIES
 from keras_mp.fp8.recipe import check_choice
-
-# Format name -> (Keras dtype of the codes, largest finite value).
-FORMATS = {
-    "e4m3": ("float8_e4m3fn", 448.0),
-    "e5m2": ("float8_e5m2", 57344.0),
-}
-_FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
-
-# Biased float32 exponents of the smallest and largest normal powers of two.
-_MIN_EXPONENT = 1
-_MAX_EXPONENT = 254
-
-
-def check_format(fmt):
-    check_choice("fmt", fmt, FORMATS)
-    return FORMATS[fmt]
-
-
-def check_float(name, x):
-    dtype = keras.backend.standardize_dtype(x.dtype)
-    if dtype not in _FLOAT_DTYPES:
-        raise TypeError(
-            f"`{name}` must be a floating point tensor ({', '.join(_FLOAT_DTYPES)}"
-            f"). Received: {name} of dtype {dtype}. Cast it first, e.g. "
-            f"`keras.ops.cast({name}, 'float32')`."
-        )
-    return dtype
-
-
-def _threshold(fmt, margin):
-    """`(exponent, mantissa)` of `fmax / 2**margin` as float32 bits: the
-    unbiased exponent and the 23 mantissa bits."""
-    target = FORMATS[fmt][1] / 2.0**margin
-    exponent = 0
-    while target >= 2.0 ** (exponent + 1):
-        exponent += 1
-    while target < 2.0**exponent:
-        exponent -= 1
-    mantissa = int((target / 2.0**exponent - 1.0) * 2**23)
-    return exponent, mantissa
-
-
-def scale_from_amax(amax, fmt="e4m3", margin=0):
-    """The power-of-two scale of values whose largest magnitude is `amax`.
-
-    The smallest power of two `s` with `amax / s <= fmax / 2**margin`;
-    `1` where `amax` is 0, the smallest normal float32 (`2**-126`) where
-    `amax` is tinier than that allows, and `amax` itself where it is inf or
-    NaN (so a non-finite tensor keeps a non-finite scale).
-
-    Args:
-        amax: A float32 tensor of non-negative values.
-        fmt: `"e4m3"` or `"e5m2"`. Defaults to `"e4m3"`.
-        margin: Headroom in powers of two. Defaults to `0`.
-
-    Returns:
-        A float32 tensor of the shape of `amax`.
-    """
-    check_format(fmt)
-    amax = ops.cast(amax, "float32")
-    exponent, mantissa = _threshold(fmt, margin)
-    bits = ops.view(amax, "int32")
-    biased = ops.right_shift(bits, 23)
-    above = ops.cast(ops.bitwise_and(bits, 0x7FFFFF) > mantissa, "int32")
-    biased = ops.clip(biased - exponent + above, _MIN_EXPONENT, _MAX_EXPONENT)
-    scale = ops.view(ops.left_shift(biased, 23), "float32")
-    scale = ops.where(amax == 0.0, ops.ones_like(scale), scale)
-    return ops.where(ops.isfinite(amax), scale, amax)
-
-
-def encode(y, fmt):
-    """FP8 codes of float32 values already divided by their scale.
-
-    Finite values beyond the format's range are clipped to `±fmax` here,
-    because the native casts disagree (NaN on JAX and TensorFlow,
-    saturation on PyTorch). Inf and NaN are never clipped: E5M2 keeps inf,
-    E4M3 (which has no inf) turns it into NaN, as `ml_dtypes` does.
-    """
-    dtype, fmax = FORMATS[fmt]
-    # `clip` keeps NaN but takes inf to fmax: inf is put back (E5M2) or
-    # made NaN (E4M3) after it. Four passes over the tensor in all.
-    clipped = ops.clip(y, -fmax, fmax)
-    nonfinite = y if fmt == "e5m2" else float("nan")
-    return ops.cast(ops.where(ops.isinf(y), nonfinite, clipped), dtype)
-
-
-def gemm_operand(x, scale, fmt):
-    """What a GEMM multiplies for float32 `x` and its positive scales: the
-    FP8 codes of `x / scale` (`encode`), or, where the backend multiplies
-    FP8 values faster as float32 (PyTorch on a CPU), the very values of
-    those codes in float32 (`keras_mp.backend.fp8.round_to_format`)."""
-    return gemm_operands(x, scale, fmt, ("row",))[0]
-
-
-def gemm_operands(x, scale, fmt, layouts):
-    """`gemm_operand` once for each of `layouts`, a tuple of `"row"` and
-    `"column"`: `x`'s codes stored row-major, or column-major (for a GEMM
-    that takes `x` as its B, or `x^T` as its A). Where the layout of a
-    2-D operand matters (PyTorch's FP8 codes: cuBLASLt takes a row-major
-    A and a column-major B), each is written in one pass with the cast
-    (`keras_mp.backend.torch_fp8_operands`); elsewhere one tensor serves
-    every layout."""
-    if backend_fp8.rounds_to_values(x):
-        values = backend_fp8.round_to_format(x, scale, fmt, FORMATS[fmt][1])
-        return (values,) * len(layouts)
-    if backend_fp8.has_layouts(x):
-        return backend_fp8.torch_gemm_operands(x, scale, fmt, layouts)
-    return (encode(x / scale, fmt),) * len(layouts)
-
-
-def quantize_reduced(x, fmt, axes, margin=0, scale=None, layouts=None):
-    """Codes of float32 `x` and scales from its amax over `axes`.
-
-    Args:
-        x: A float32 tensor.
-        fmt: `"e4m3"` or `"e5m2"`.
-        axes: The axes each scale covers (`None`: all of them).
-        margin: Headroom in powers of two.
-        scale: Scales to use instead (broadcastable to `x`), or None.
-        layouts: None for FP8 codes, or a tuple of layouts for
-            `gemm_operands`' forms of them (for
-            `keras_mp.backend.fp8.einsum_float32`), one per layout.
-
-    Returns:
-        `(codes, scale)`, the scale with `axes` kept as size-1 dimensions
-        (`codes` a tuple where `layouts` is given).
-    """
-    if scale is None:
-        # A NaN counts as inf: the scale must be non-finite.
-        amax = backend_fp8.amax(x, axes)
-        scale = scale_from_amax(amax, fmt, margin)
-    if layouts is not None:
-        return gemm_operands(x, scale, fmt, layouts), scale
-    return encode(x / scale, fmt), scale
-
-
-def _static_size(x, axis, what):
-    size = x.shape[axis]
-    if size is None or size % BLOCK_SIZE:
-        raise ValueError(
-            f'granularity="block" tiles {what} in blocks of {BLOCK_SIZE}, so '
-            f"its size must be a known multiple of {BLOCK_SIZE}. Received: "
-            f'x.shape={tuple(x.shape)}. Use granularity="rowwise", or pad '
-            f"that dimension to a multiple of {BLOCK_SIZE} with zeros."
-        )
-    return size
 
 
 def quantize(
@@ -227,8 +78,7 @@ def quantize(
     >>> keras.ops.convert_to_numpy(keras.ops.cast(codes, "float32")).tolist()
     [2.0, -12.0, 384.0]
     """
-    check_format(fmt)
-    check_choice("granularity", granularity, GRANULARITIES)
+    quantizer = _check(fmt, granularity, block_shape)
     if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
         raise ValueError(
             f"`margin` is an integer >= 0. Received: margin={margin!r}"
@@ -238,51 +88,73 @@ def quantize(
     x32 = ops.cast(x, "float32")
     if scale is not None:
         scale = ops.cast(ops.convert_to_tensor(scale), "float32")
-    if granularity == "tensorwise":
-        codes, scale_kept = quantize_reduced(x32, fmt, None, margin, scale)
-        return codes, ops.reshape(scale_kept, ())
+    axis = _check_axis(axis, x, granularity, block_shape)
+    return quantizer.quantize(x32, fmt, axis, margin, scale, block_shape)
+
+
+def dequantize(
+    codes,
+    scale,
+    fmt="e4m3",
+    granularity="tensorwise",
+    axis=-1,
+    block_shape=None,
+):
+    """The float32 values of FP8 codes and their scales: `quantize` undone.
+
+    Args:
+        codes: What `quantize` returned as codes.
+        scale: What `quantize` returned as the scale.
+        fmt: The format of the codes. Defaults to `"e4m3"`.
+        granularity: As given to `quantize`. Defaults to `"tensorwise"`.
+        axis: As given to `quantize`. Defaults to `-1`.
+        block_shape: As given to `quantize`. Defaults to `None`.
+
+    Returns:
+        A float32 tensor of the shape of `codes`: each code times its
+        scale (exact: the scales are powers of two).
+
+    Example:
+
+    >>> codes, scale = keras_mp.fp8.quantize(np.array([0.5, -3.0, 96.0]))
+    >>> y = keras_mp.fp8.dequantize(codes, scale)
+    >>> keras.ops.convert_to_numpy(y).tolist()
+    [0.5, -3.0, 96.0]
+    """
+    quantizer = _check(fmt, granularity, block_shape)
+    codes = ops.convert_to_tensor(codes)
+    dtype = keras.backend.standardize_dtype(codes.dtype)
+    if dtype != FORMATS[fmt][0]:
+        raise TypeError(
+            f"`codes` of fmt={fmt!r} are {FORMATS[fmt][0]}. Received: codes "
+            f"of dtype {dtype}. Pass the codes `keras_mp.fp8.quantize` "
+            "returned, with the `fmt` they were quantized in."
+        )
+    scale = ops.cast(ops.convert_to_tensor(scale), "float32")
+    axis = _check_axis(axis, codes, granularity, block_shape)
+    return quantizer.dequantize(codes, scale, axis, block_shape)
+
+
+def _check(fmt, granularity, block_shape):
+    check_format(fmt)
+    check_choice("granularity", granularity, GRANULARITIES)
+    if block_shape is not None and granularity != "block":
+        raise ValueError(
+            '`block_shape` tiles a tensor for granularity="block". Received: '
+            f"block_shape={block_shape!r} with granularity={granularity!r}. "
+            'Pass granularity="block", or leave `block_shape` as None.'
+        )
+    return quantizers.BY_GRANULARITY[granularity]
+
+
+def _check_axis(axis, x, granularity, block_shape):
+    """`axis`, non-negative, where the granularity uses it."""
+    if granularity == "tensorwise" or block_shape is not None:
+        return axis
     ndim = len(x.shape)
-    if block_shape is not None:
-        return _quantize_2d_blocks(x, x32, fmt, margin, scale, block_shape)
     if not isinstance(axis, int) or not -ndim <= axis < ndim:
         raise ValueError(
             f"`axis` is an axis of `x`, in [{-ndim}, {ndim}). Received: "
             f"axis={axis!r} for x.shape={tuple(x.shape)}"
         )
-    axis %= ndim
-    if granularity == "rowwise":
-        return quantize_reduced(x32, fmt, axis, margin, scale)
-    size = _static_size(x, axis, "`x` along `axis`")
-    shape = ops.shape(x32)
-    tiled = (*shape[:axis], size // BLOCK_SIZE, BLOCK_SIZE, *shape[axis + 1 :])
-    if scale is not None:
-        scale = ops.expand_dims(scale, axis + 1)
-    codes, scale = quantize_reduced(
-        ops.reshape(x32, tiled), fmt, axis + 1, margin, scale
-    )
-    return ops.reshape(codes, shape), ops.squeeze(scale, axis + 1)
-
-
-def _quantize_2d_blocks(x, x32, fmt, margin, scale, block_shape):
-    if (
-        len(x.shape) != 2
-        or not isinstance(block_shape, (tuple, list))
-        or tuple(block_shape) != (BLOCK_SIZE, BLOCK_SIZE)
-    ):
-        raise ValueError(
-            f"`block_shape` is ({BLOCK_SIZE}, {BLOCK_SIZE}) for a 2-D "
-            'tensor with granularity="block" (or None for 1x'
-            f"{BLOCK_SIZE} tiles along `axis`). Received: "
-            f"block_shape={block_shape!r} for x.shape={tuple(x.shape)}"
-        )
-    rows = _static_size(x, 0, "both dimensions of a 2-D `x`")
-    columns = _static_size(x, 1, "both dimensions of a 2-D `x`")
-    tiled = (rows // BLOCK_SIZE, BLOCK_SIZE, columns // BLOCK_SIZE, BLOCK_SIZE)
-    if scale is not None:
-        scale = ops.reshape(scale, (tiled[0], 1, tiled[2], 1))
-    codes, scale = quantize_reduced(
-        ops.reshape(x32, tiled), fmt, (1, 3), margin, scale
-    )
-    return ops.reshape(codes, (rows, columns)), ops.reshape(
-        scale, (tiled[0], tiled[2])
-    )
+    return axis % ndim

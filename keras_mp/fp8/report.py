@@ -16,7 +16,7 @@ import numpy as np
 
 from keras_mp import _keras_internals
 from keras_mp.fp8 import stats as stats_module
-from keras_mp.fp8.quantize import scale_from_amax
+from keras_mp.fp8.codes import scale_from_amax
 
 _HOW_TO_COUNT = (
     "e.g. `keras_mp.set_global_policy('mixed_bfloat16', "

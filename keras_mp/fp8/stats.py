@@ -42,7 +42,7 @@ from keras import ops
 
 from keras_mp import _keras_internals
 from keras_mp.backend import fp8 as backend_fp8
-from keras_mp.fp8.quantize import FORMATS
+from keras_mp.fp8.codes import FORMATS
 
 TENSORS = ("input", "kernel", "output_gradient")
 HISTOGRAM_BINS = 512

@@ -1,0 +1,154 @@
+"""`Quantizer`: one FP8 format at one scale granularity, as `dot` asks it.
+
+A quantizer says what it quantizes (`quantize`: codes and scales of a
+tensor along an axis), how it dequantizes (`dequantize`), and the GEMMs of
+one `dot` call, by role: the forward product (`forward`), the input
+gradient (`input_gradient`) and the kernel gradient (`kernel_gradient`),
+each quantizing its two operands along that GEMM's contracted axis in the
+layouts the GEMM takes them in. `dot` holds no granularity of its own:
+it asks `keras_mp.fp8.quantizers.get(recipe)` for the quantizer and calls
+the three roles. What one call's roles share (formats, statistics rows,
+result dtypes, delayed scales, saved operands) is a `Call`.
+
+A new format plugs in as one file beside `tensorwise.py`, `rowwise.py` and
+`block.py`: a `Quantizer` subclass, registered in `__init__.py`.
+"""
+
+import abc
+import collections
+
+from keras import ops
+
+from keras_mp.backend import fp8 as fp8_backend
+from keras_mp.fp8 import stats as stats_module
+from keras_mp.fp8.codes import quantize_reduced
+
+# The layouts of a 2-D operand (`codes.gemm_operands`): row-major, for the
+# GEMM that takes it as its A (or its transpose as B), and column-major,
+# for the one that takes it as B (or its transpose as A).
+ROW = ("row",)
+COLUMN = ("column",)
+BOTH = ("row", "column")
+
+
+class Rows(dict):
+    """The statistics rows of one call, by tensor; `counts`: whether they
+    count flushed and saturated values (statistics asked for), or hold
+    the amax alone (delayed scaling's); `amaxes`: amaxes already known."""
+
+    def __init__(self, counts=True):
+        super().__init__()
+        self.counts = counts
+        self.amaxes = {}
+
+
+class Dtypes(collections.namedtuple("Dtypes", "out dx dw")):
+    """The dtypes the forward product and the two gradients are cast to:
+    a GEMM whose result is cast to bfloat16 may round to it itself."""
+
+
+class Call:
+    """What the three GEMMs of one `dot` call share.
+
+    Attributes:
+        forward_format: The format of the input and the kernel.
+        backward_format: The format of the output gradient.
+        margin: The recipe's headroom, in powers of two.
+        rows: A `Rows` to fill with statistics, or None.
+        dtypes: The `Dtypes` of the three results.
+        scaling: Delayed scaling's state for this call
+            (`keras_mp.fp8.delayed.Scaling`), or None.
+        saved: What `forward` keeps for the gradients, by name.
+    """
+
+    def __init__(self, recipe, rows, dtypes, scaling=None):
+        self.forward_format = recipe.forward_format
+        self.backward_format = recipe.backward_format
+        self.margin = recipe.margin
+        self.rows = rows
+        self.dtypes = dtypes
+        self.scaling = scaling
+        self.saved = {}
+
+    def observe(self, name, x, scale, fmt):
+        """Records the statistics row of one quantization, when `rows`
+        asks for them; nothing at all when it is None."""
+        if self.rows is not None:
+            index = stats_module.TENSORS.index(name)
+            self.rows[name] = stats_module.tensor_row(
+                x, scale, fmt, self.rows.counts, self.rows.amaxes.get(index)
+            )
+
+    def once(self, key, compute):
+        """`compute()`, once per call: an operand two roles share."""
+        if key not in self.saved:
+            self.saved[key] = compute()
+        return self.saved[key]
+
+
+def operand(x, fmt, axes, margin, scale=None, layouts=ROW):
+    """`x` quantized as GEMM operands, one per layout, and its scales
+    (kept as size-1 dimensions over `axes`)."""
+    return quantize_reduced(x, fmt, axes, margin, scale, layouts)
+
+
+def kernel_operand(w, fmt, axes, margin, layouts, shape=None):
+    """`operand` of the kernel (reshaped to `shape`, where given),
+    computed once while the kernel is unchanged
+    (`keras_mp.backend.fp8.reuse`: on PyTorch, once per optimizer step
+    however many calls and micro-steps share it). Current scaling only:
+    the codes then depend on the kernel alone."""
+
+    def compute():
+        tensor = w if shape is None else ops.reshape(w, shape)
+        return operand(tensor, fmt, axes, margin, None, layouts)
+
+    key = ("kernel", fmt, axes, margin, layouts, shape)
+    return fp8_backend.reuse(w, key, compute)
+
+
+def scaled(product, factor):
+    """A GEMM's product (float32, or bfloat16 where its result is cast to
+    bfloat16: `einsum_float32`) times float32 power-of-two scales, in
+    float32: exact wherever the result is a normal number, so a bfloat16
+    product gives the bits of the float32 one, rounded."""
+    return ops.cast(product, "float32") * factor
+
+
+class Quantizer(abc.ABC):
+    """One FP8 format at one scale granularity.
+
+    Subclasses give `name`, the public `quantize` / `dequantize` pair, and
+    the three GEMM roles of `dot`. Each role takes float32 2-D operands
+    (`x`: `[M, K]`, the kernel `w`: `[K, N]`, the output gradient `g`:
+    `[M, N]`) and returns a float32 (or the role's result dtype) product
+    with every scale applied.
+    """
+
+    name = None
+
+    @abc.abstractmethod
+    def quantize(self, x, fmt, axis, margin, scale, block_shape):
+        """`(codes, scale)` of float32 `x`, as `keras_mp.fp8.quantize`
+        returns them; `axis` is already non-negative."""
+
+    @abc.abstractmethod
+    def dequantize(self, codes, scale, axis, block_shape):
+        """The float32 values of `codes` and their `scale`."""
+
+    def check(self, kernel_shape, recipe):
+        """Raises ValueError where a `[K, N]` kernel cannot run this way;
+        every shape can, unless a quantizer says otherwise."""
+        return None
+
+    @abc.abstractmethod
+    def forward(self, call, x, w):
+        """`x @ w`, saving in `call` what the gradients reuse."""
+
+    @abc.abstractmethod
+    def input_gradient(self, call, g):
+        """`g @ w^T`."""
+
+    @abc.abstractmethod
+    def kernel_gradient(self, call, g):
+        """`x^T @ g`."""
