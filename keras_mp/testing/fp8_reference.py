@@ -149,3 +149,115 @@ def accumulation_error():
         # FP8 code exactly, and accumulates in float32.
         on_gpu = False
     return GPU_ACCUMULATION_ERROR if on_gpu else CPU_ACCUMULATION_ERROR
+
+
+# MXFP8 (OCP Microscaling): E4M3 codes, one E8M0 scale per 32 values along
+# an axis. Exponents from `np.frexp` and comparisons in float64, element
+# division in float64 (exact), codes from `ml_dtypes`; never
+# `astype(float8_e8m0fnu)`, which rounds half-up in linear space.
+
+MX_BLOCK = 32
+E4M3_MAX = 448.0
+
+
+def mx_e8m0(amax, rounding="rceil"):
+    """E8M0 codes (`uint8`) of block amaxes: `e + 127` for the scale `2**e`.
+
+    `"rceil"`: the smallest `e` in [-127, 127] with `amax <= 448 * 2**e`;
+    `"floor"`: `floor(log2(amax)) - 8`, clamped to [-127, 127]. Zero gives
+    code 0, inf and NaN 0xFF.
+    """
+    amax = np.abs(np.asarray(amax, np.float32).astype(np.float64))
+    with np.errstate(invalid="ignore"):
+        _, exponent = np.frexp(np.where(np.isfinite(amax), amax, 1.0))
+        # amax in [2**(exponent - 1), 2**exponent), so 448 * 2**(exponent -
+        # 9) = 0.875 * 2**exponent is below or above it, and 448 *
+        # 2**(exponent - 8) is always above it.
+        if rounding == "rceil":
+            fits = amax <= np.ldexp(E4M3_MAX, exponent - 9)
+            e = np.where(fits, exponent - 9, exponent - 8)
+        elif rounding == "floor":
+            e = exponent - 1 - 8
+        else:
+            raise ValueError(f"unknown rounding {rounding!r}")
+    code = np.clip(e, -127, 127) + 127
+    code = np.where(amax == 0, 0, code)
+    code = np.where(np.isfinite(amax), code, 255)
+    return code.astype(np.uint8)
+
+
+def mx_e8m0_transformer_engine(amax):
+    """Transformer Engine's `float_to_e8m0(amax * (1 / 448))` (CUDA, before
+    SM100's `cvt.rp`; JAX's `cast_to_e8m0_with_rounding_up(amax / 448)` is
+    the same function of its argument), transcribed: the float32 exponent
+    of the product, plus one if its mantissa is not zero, except at
+    exponent 0xFE and for subnormals up to 2**-127. TE gives 0xFE for inf
+    (keras_mp 0xFF)."""
+    with np.errstate(over="ignore"):
+        y = np.asarray(amax, np.float32) * (np.float32(1) / np.float32(448))
+    return _float_to_e8m0(y)
+
+
+def mx_e8m0_jax(amax):
+    """JAX's `cast_to_e8m0_with_rounding_up(amax / 448)`, in NumPy (no
+    flush of subnormals, as on a GPU). For a NaN amax its exponent 0xFF + 1
+    wraps to code 0 in `uint8`."""
+    with np.errstate(over="ignore"):
+        y = np.asarray(amax, np.float32) / np.float32(448)
+    return _float_to_e8m0(y)
+
+
+def _float_to_e8m0(y):
+    bits = y.view(np.uint32)
+    exponent = bits >> 23 & 0xFF
+    mantissa = bits & 0x7FFFFF
+    round_up = (
+        (mantissa > 0)
+        & (exponent != 0xFE)
+        & ~((exponent == 0) & (mantissa <= 0x400000))
+    )
+    return (exponent + round_up).astype(np.uint8)
+
+
+def mx_scale_values(scale):
+    """E8M0 codes as float32 (`2**(code - 127)`, NaN for 0xFF), through
+    `ml_dtypes.float8_e8m0fnu`."""
+    codes = np.asarray(scale, np.uint8)
+    return codes.view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+
+
+def _blocks(x, axis):
+    """`x` with `axis` moved last and split into `(n / 32, 32)`."""
+    x = np.moveaxis(np.asarray(x), axis, -1)
+    return x.reshape(x.shape[:-1] + (-1, MX_BLOCK))
+
+
+def _unblock(tiles, axis):
+    return np.moveaxis(tiles.reshape(tiles.shape[:-2] + (-1,)), -1, axis)
+
+
+def mx_quantize(x, axis=-1, rounding="rceil"):
+    """`(codes, scale)` as `keras_mp.fp8.mxfp8.quantize` must return them:
+    `float8_e4m3fn` codes and `uint8` E8M0 codes."""
+    tiles = _blocks(np.asarray(x, np.float32).astype(np.float64), axis)
+    amax = np.max(np.abs(tiles), axis=-1)  # NaN propagates
+    code = mx_e8m0(amax, rounding)
+    power = np.ldexp(1.0, code.astype(np.int64) - 127)[..., None]
+    y = tiles / power  # exact in float64
+    y = np.where(np.isfinite(y), np.clip(y, -E4M3_MAX, E4M3_MAX), np.nan)
+    y = np.where((code == 255)[..., None], np.nan, y)
+    # y is a float32 times a power of two: exact in float32 unless below
+    # 2**-126, far under E4M3's smallest subnormal (2**-9) either way.
+    codes = y.astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+    return _unblock(codes, axis), np.moveaxis(code, -1, axis)
+
+
+def mx_dequantize(codes, scale, axis=-1):
+    """Float32 `codes * 2**(scale - 127)`, exact (subnormals kept), from
+    float64 products; NaN where the scale is 0xFF."""
+    tiles = _blocks(np.asarray(codes).astype(np.float64), axis)
+    scale = np.moveaxis(np.asarray(scale, np.uint8), axis, -1)[..., None]
+    with np.errstate(over="ignore", invalid="ignore"):
+        values = tiles * np.ldexp(1.0, scale.astype(np.int64) - 127)
+        values = np.where(scale == 255, np.nan, values).astype(np.float32)
+    return _unblock(values, axis)
