@@ -142,6 +142,22 @@ def test_an_all_zero_tensor_has_tensor_scale_one_and_zero_codes():
     assert (to_numpy(nvfp4.dequantize(codes, (block, tensor))) == 0).all()
 
 
+def test_subnormal_inputs_count_as_zero_on_every_backend():
+    # XLA on a CPU and TensorFlow flush float32 subnormals, PyTorch does
+    # not: quantize flushes them itself.
+    x = np.zeros(SMALL_SHAPE, np.float32)
+    x[0, :3] = [1e-40, -3e-41, 5e-39]
+    x[1, :2] = [5e-39, 1e-3]
+    for tensor_amax in (None, 5e-39):
+        codes, (block, tensor) = nvfp4.quantize(x, tensor_amax=tensor_amax)
+        _assert_quantized_equal(
+            (codes, (block, tensor)),
+            reference.nv_quantize(x, tensor_amax=tensor_amax),
+        )
+        assert np.asarray(to_numpy(codes))[0, :3].tolist() == [0, 8, 0]
+    assert float(to_numpy(tensor)) == 1.0
+
+
 def test_block_scales_clip_at_448_and_codes_saturate_at_6():
     # A tensor amax below the data's (a stale or reduced one) scales the
     # large block beyond E4M3's range: its scale clips to 448 and its codes

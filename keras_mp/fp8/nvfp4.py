@@ -41,6 +41,10 @@ BLOCK_SIZE = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# The smallest normal float32. XLA on a CPU and TensorFlow's kernels treat
+# smaller (subnormal) inputs as zero and PyTorch does not, so `quantize`
+# counts them as zero itself: the same codes on every backend.
+FLOAT32_MIN = float(np.finfo(np.float32).tiny)
 # Float32 1/6, as Transformer Engine folds it into the tensor scale.
 _RECIPROCAL_E2M1_MAX = float(np.float32(1.0) / np.float32(6.0))
 # The E2M1 value of each 4-bit code (bit 3 the sign), `ml_dtypes`'
@@ -61,8 +65,8 @@ def tensor_scale(global_amax):
     """The float32 tensor scale `S_enc` of NVFP4 for `global_amax`.
 
     `min(448 * 6 / global_amax, FLT_MAX)`, as Transformer Engine's kernels
-    compute it; 1 where `global_amax` is 0 (an all-zero tensor), NaN where
-    it is inf or NaN.
+    compute it; 1 where `global_amax` is 0 (an all-zero tensor) or
+    subnormal, NaN where it is inf or NaN.
 
     Args:
         global_amax: A float32 tensor of non-negative values.
@@ -72,7 +76,7 @@ def tensor_scale(global_amax):
     """
     amax = ops.cast(global_amax, "float32")
     scale = ops.minimum(ops.divide(E4M3_MAX * E2M1_MAX, amax), FLOAT32_MAX)
-    scale = ops.where(amax == 0.0, 1.0, scale)
+    scale = ops.where(amax < FLOAT32_MIN, 1.0, scale)
     return ops.where(ops.isfinite(amax), scale, float("nan"))
 
 
@@ -173,7 +177,9 @@ def quantize(x, axis=-1, block_shape=None, tensor_amax=None, random_bits=None):
     values gets the E4M3 scale `dec = e4m3(min(block_amax * (S_enc *
     fl(1/6)), 448))`, and its values the E2M1 codes of `x * min(1 / (dec *
     (1 / S_enc)), FLT_MAX)` clipped to `±6`, rounded to nearest even (ties
-    go to an even code), or stochastically with `random_bits`. A block
+    go to an even code), or stochastically with `random_bits`. Float32
+    subnormals count as zero (XLA on a CPU and TensorFlow flush them, so
+    every backend does). A block
     holding inf or NaN gets a NaN block scale and codes 0; a non-finite
     global amax a NaN tensor scale (and every block scale NaN): the
     dequantized values are NaN, never saturated finite values.
@@ -222,6 +228,8 @@ def quantize(x, axis=-1, block_shape=None, tensor_amax=None, random_bits=None):
     if random_bits is not None:
         random_bits = _check_random_bits(random_bits, x)
     x32 = ops.cast(x, "float32")
+    # Subnormals count as zero (keeping their sign) on every backend.
+    x32 = ops.where(ops.abs(x32) < FLOAT32_MIN, ops.multiply(x32, 0.0), x32)
     if tensor_amax is None:
         global_amax = backend_fp8.amax(x32, None)
     else:

@@ -171,12 +171,12 @@ HADAMARD_SIGNS = np.array(
 def nv_tensor_scale(global_amax):
     """`S_enc = min(448 * 6 / amax, FLT_MAX)`; 1 where amax is 0 (TE's
     kernel; its PyTorch reference leaves FLT_MAX there, with the same codes
-    and block scales); NaN where amax is inf or NaN (keras_mp's rule: TE's
-    kernel gives 1 for inf)."""
+    and block scales) or subnormal, and NaN where amax is inf or NaN
+    (keras_mp's rules: TE's kernel gives 1 for inf)."""
     amax = np.asarray(global_amax, np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         s = np.minimum(_F32(448.0) * _F32(6.0) / amax, _FLT_MAX)
-    s = np.where(amax == 0, _F32(1.0), s)
+    s = np.where(amax < np.finfo(np.float32).tiny, _F32(1.0), s)
     return np.where(np.isfinite(amax), s, _F32(np.nan)).astype(np.float32)
 
 
@@ -249,6 +249,9 @@ def nv_quantize(
     scales, the float32 scalar `S_enc`. A block whose scale is NaN has
     codes 0 (keras_mp's rule)."""
     x = np.asarray(x, np.float32)
+    # keras_mp's rule: float32 subnormals count as (signed) zero.
+    with np.errstate(invalid="ignore"):
+        x = np.where(np.abs(x) < np.finfo(np.float32).tiny, x * _F32(0), x)
     if tensor_amax is None:
         tensor_amax = np.where(np.isnan(x), np.inf, np.abs(x)).max()
     s_enc = nv_tensor_scale(tensor_amax)
