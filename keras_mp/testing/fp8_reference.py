@@ -261,3 +261,174 @@ def mx_dequantize(codes, scale, axis=-1):
         values = tiles * np.ldexp(1.0, scale.astype(np.int64) - 127)
         values = np.where(scale == 255, np.nan, values).astype(np.float32)
     return _unblock(values, axis)
+
+
+# NVFP4, transcribed from Transformer Engine's
+# `custom_recipes/reference_nvfp4.py::_quantize_blockwise_reference` (and
+# `common/cast/nvfp4/core_nvfp4.cuh` for the tensor scale of a zero amax) in
+# float32 NumPy, with `ml_dtypes` casts for the roundings: E4M3 for block
+# scales, E2M1 for codes (both round to nearest even; `ml_dtypes` would
+# saturate inf to ±6 and turn NaN into ±0, so non-finite blocks are handled
+# before the cast). Where keras_mp decides what TE leaves open, the rule is
+# keras_mp's and says so.
+NV_BLOCK = 16
+_F32 = np.float32
+_FLT_MAX = _F32(np.finfo(np.float32).max)
+E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+HADAMARD_SIGNS = np.array(
+    [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1], np.float32
+)
+
+
+def nv_tensor_scale(global_amax):
+    """`S_enc = min(448 * 6 / amax, FLT_MAX)`; 1 where amax is 0 (TE's
+    kernel; its PyTorch reference leaves FLT_MAX there, with the same codes
+    and block scales) or subnormal, and NaN where amax is inf or NaN
+    (keras_mp's rules: TE's kernel gives 1 for inf)."""
+    amax = np.asarray(global_amax, np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        s = np.minimum(_F32(448.0) * _F32(6.0) / amax, _FLT_MAX)
+    s = np.where(amax < np.finfo(np.float32).tiny, _F32(1.0), s)
+    return np.where(np.isfinite(amax), s, _F32(np.nan)).astype(np.float32)
+
+
+def _nv_tiles(x, axis, block_shape):
+    """`x` as tiles: `(..., blocks, 16)`, `axis` moved last, for 1x16
+    blocks; `(rows / 16, columns / 16, 256)` for 16x16 tiles."""
+    x = np.asarray(x)
+    if block_shape is not None:
+        rows, cols = x.shape
+        tiles = x.reshape(rows // 16, 16, cols // 16, 16).transpose(0, 2, 1, 3)
+        return tiles.reshape(rows // 16, cols // 16, 256)
+    moved = np.moveaxis(x, axis, -1)
+    return moved.reshape(moved.shape[:-1] + (-1, NV_BLOCK))
+
+
+def _nv_untile(tiles, shape, axis, block_shape):
+    """The inverse of `_nv_tiles` for an array of `x`'s `shape`."""
+    if block_shape is not None:
+        rows, cols = shape
+        tiles = tiles.reshape(rows // 16, cols // 16, 16, 16)
+        return tiles.transpose(0, 2, 1, 3).reshape(rows, cols)
+    moved = np.moveaxis(np.empty(shape, np.uint8), axis, -1).shape
+    return np.moveaxis(tiles.reshape(moved), -1, axis)
+
+
+def nv_block_scale(block_amax, s_enc, order="pytorch"):
+    """E4M3 block scales: `block_amax * (S_enc * fl(1/6))` (TE-PyTorch and
+    its kernels) or `(block_amax / 6) * S_enc` (`order="jax"`: TE-JAX's
+    `NVFP4Quantizer`), then `min(., FLT_MAX)`, a clamp to 448 and an RNE
+    cast. A non-finite block amax or `S_enc` gives NaN (keras_mp's rule)."""
+    amax = np.asarray(block_amax, np.float32)
+    s_enc = _F32(s_enc)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if order == "jax":
+            scaled = amax / _F32(6.0) * s_enc
+        else:
+            scaled = amax * (s_enc * (_F32(1.0) / _F32(6.0)))
+        scaled = np.clip(np.minimum(scaled, _FLT_MAX), -448.0, 448.0)
+    finite = np.isfinite(amax) & np.isfinite(s_enc)
+    scaled = np.where(finite, scaled, np.nan).astype(np.float32)
+    return scaled.astype(ml_dtypes.float8_e4m3fn)
+
+
+def _e2m1_codes_stochastic(y, random_bits):
+    """E2M1 codes of finite float32 `y` in [-6, 6], between the two grid
+    neighbours of `|y|`: up where `frac >= (2 * (bits & 0xFF) + 1) / 512`."""
+    magnitude = np.abs(y).astype(np.float64)
+    low = np.searchsorted(E2M1_GRID, magnitude, side="right") - 1
+    high = np.minimum(low + 1, 7)
+    spread = E2M1_GRID[high] - E2M1_GRID[low]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        fraction = np.where(
+            spread > 0, (magnitude - E2M1_GRID[low]) / spread, 0.0
+        )
+    bits = np.asarray(random_bits).astype(np.int64) & 0xFF
+    index = np.where(fraction >= (2 * bits + 1) / 512, high, low)
+    return (index + 8 * np.signbit(y)).astype(np.uint8)
+
+
+def nv_quantize(
+    x,
+    axis=-1,
+    block_shape=None,
+    tensor_amax=None,
+    random_bits=None,
+    order="pytorch",
+):
+    """`(codes, (block_scale, tensor_scale))` as `keras_mp.fp8.nvfp4.
+    quantize` must return them: uint8 codes (one a byte), E4M3 block
+    scales, the float32 scalar `S_enc`. A block whose scale is NaN has
+    codes 0 (keras_mp's rule)."""
+    x = np.asarray(x, np.float32)
+    # keras_mp's rule: float32 subnormals count as (signed) zero.
+    with np.errstate(invalid="ignore"):
+        x = np.where(np.abs(x) < np.finfo(np.float32).tiny, x * _F32(0), x)
+    if tensor_amax is None:
+        tensor_amax = np.where(np.isnan(x), np.inf, np.abs(x)).max()
+    s_enc = nv_tensor_scale(tensor_amax)
+    tiles = _nv_tiles(x, axis, block_shape)
+    amax = np.where(np.isnan(tiles), np.inf, np.abs(tiles)).max(axis=-1)
+    scale = nv_block_scale(amax, s_enc, order)
+    decode = scale.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        encode = np.minimum(
+            _F32(1.0) / (decode * (_F32(1.0) / s_enc)), _FLT_MAX
+        )
+        y = np.clip(tiles * encode, _F32(-6.0), _F32(6.0))
+    y = np.where(np.isnan(decode), _F32(0.0), y).astype(np.float32)
+    if random_bits is None:
+        codes = y.astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
+    else:
+        bits = _nv_tiles(random_bits, axis, block_shape)
+        codes = _e2m1_codes_stochastic(y, bits)
+    codes = _nv_untile(codes, x.shape, axis, block_shape)
+    if block_shape is None:
+        scale = np.moveaxis(scale, -1, axis)
+    return codes, (scale, s_enc)
+
+
+def nv_dequantize(codes, scale, axis=-1, block_shape=None):
+    """`value(code) * f32(dec_block) / S_enc` in float32, each block scale
+    repeated over its block."""
+    block, s_enc = scale
+    values = np.asarray(codes, np.uint8).view(ml_dtypes.float4_e2m1fn)
+    values = values.astype(np.float32)
+    decode = np.asarray(block).astype(np.float32)
+    if block_shape is None:
+        decode = np.repeat(decode, NV_BLOCK, axis=axis)
+    else:
+        decode = np.repeat(np.repeat(decode, 16, 0), 16, 1)
+    return (values * decode / _F32(s_enc)).astype(np.float32)
+
+
+def nv_pack(codes, axis=-1):
+    """Two codes a byte along `axis`, the first in the low nibble (TE's
+    `cast_to_fp4x2`)."""
+    codes = np.moveaxis(np.asarray(codes, np.uint8), axis, -1)
+    packed = codes[..., ::2] | (codes[..., 1::2] << 4)
+    return np.moveaxis(packed.astype(np.uint8), -1, axis)
+
+
+def nv_hadamard_matrix():
+    """`diag(S) @ H16 / 4` with TE's signs `S`, as TE's
+    `_build_hadamard_matrix` builds it (float64, exact)."""
+    h = np.ones((1, 1))
+    while h.shape[0] < 16:
+        h = np.block([[h, h], [h, -h]])
+    return np.diag(HADAMARD_SIGNS.astype(np.float64)) @ h / 4.0
+
+
+def nv_hadamard(x, axis=-1):
+    """`x @ nv_hadamard_matrix()` on each run of 16 along `axis`, in
+    float32 as keras_mp computes it: the signs, then butterflies on index
+    strides 8, 4, 2, 1 (`(a + b, a - b)`), then a multiply by 1/4."""
+    moved = np.moveaxis(np.asarray(x, np.float32), axis, -1)
+    y = moved.reshape(moved.shape[:-1] + (-1, 16)) * HADAMARD_SIGNS
+    for stride in (8, 4, 2, 1):
+        first = np.array([i for i in range(16) if not i & stride])
+        a, b = y[..., first], y[..., first + stride]
+        y = y.copy()
+        y[..., first], y[..., first + stride] = a + b, a - b
+    y = (y * _F32(0.25)).reshape(moved.shape)
+    return np.moveaxis(y, -1, axis)
