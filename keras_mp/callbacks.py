@@ -5,6 +5,7 @@ Imports from keras_mp only `backend.training_state`, `fp8.report`,
 nothing above its floor (see ARCHITECTURE.md).
 """
 
+import contextlib
 import inspect
 import numbers
 
@@ -49,18 +50,39 @@ def add_consecutive_skips_check(callbacks, optimizer):
 
     Used by `Model.fit` (see `keras_mp.models`). The list is returned as
     given when `optimizer` has no keras_mp `LossScaleOptimizer` with a
-    `max_consecutive_skips`, or when it is a
-    `keras.callbacks.CallbackList` (which `fit` uses as it is).
+    `max_consecutive_skips`, when its step checks the count itself
+    (`checks_skips_in_step`: `fit` turns that on instead, see
+    `in_step_skips_check`), or when it is a `keras.callbacks.CallbackList`
+    (which `fit` uses as it is).
     """
     found = find_loss_scale_optimizer(optimizer)
     if (
         found is None
         or found.max_consecutive_skips is None
+        or found.checks_skips_in_step()
         or isinstance(callbacks, keras.callbacks.CallbackList)
     ):
         return callbacks
     callbacks = [] if callbacks is None else keras.tree.flatten(callbacks)
     return [*callbacks, _ConsecutiveSkipsCheck(found)]
+
+
+@contextlib.contextmanager
+def in_step_skips_check(optimizer):
+    """Within a `fit` call, the step of `optimizer` checks
+    `max_consecutive_skips` itself where it can (`checks_skips_in_step`:
+    PyTorch's host-decided skip, which reads the count only after a
+    skipped step), in place of a per-batch callback."""
+    found = find_loss_scale_optimizer(optimizer)
+    if found is None or not found.checks_skips_in_step():
+        yield
+        return
+    found._checks_skips_in_step = True
+    try:
+        yield
+    finally:
+        found._checks_skips_in_step = False
+        found._skipped_on_host = False
 
 
 class _ConsecutiveSkipsCheck(keras.callbacks.Callback):

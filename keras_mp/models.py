@@ -225,7 +225,8 @@ def _install_fit_hook():
             callbacks, self.optimizer
         )
         bound.arguments["callbacks"] = callbacks
-        return original(*bound.args, **bound.kwargs)
+        with callbacks_module.in_step_skips_check(self.optimizer):
+            return original(*bound.args, **bound.kwargs)
 
     fit._keras_mp_hook = True
     keras.Model.fit = fit

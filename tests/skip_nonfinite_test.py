@@ -371,3 +371,36 @@ def test_the_skip_adds_no_host_read_and_the_stop_check_one_per_batch():
     plain_reads = counted[1] - counted[0]
     assert reads(None) == plain_reads
     assert reads(2) == plain_reads + 3
+
+
+@pytest.mark.backends("torch")
+def test_torch_checks_the_limit_in_the_step_only_inside_fit(monkeypatch):
+    """PyTorch's step decides the skip on the host, so it knows without a
+    read whether it skipped: the step checks the count (after a skipped
+    step only) in place of a per-batch callback, which would make Keras
+    read every batch's logs; outside `fit` a loop checks for itself, as on
+    the other backends."""
+    from keras_mp import callbacks as callbacks_module
+
+    batch_checks = []
+    monkeypatch.setattr(
+        callbacks_module._ConsecutiveSkipsCheck,
+        "on_train_batch_end",
+        lambda self, batch, logs=None: batch_checks.append(batch),
+    )
+    keras_mp.set_global_policy("mixed_bfloat16", skip_nonfinite=True)
+    model = _model()
+    model.compile(keras.optimizers.Adam(1e-2), loss="mse")
+    with pytest.raises(FloatingPointError, match="2 steps in a row"):
+        _fit(model, *_data(6, nonfinite=[1, 3, 4]))
+    assert batch_checks == []
+    optimizer = model.optimizer
+    assert int(to_numpy(optimizer.iterations)) == 2
+    assert not optimizer._checks_skips_in_step
+    # A hand-written loop: skipped steps are counted, and nothing raises.
+    variables = model.trainable_variables
+    nan_grads = [keras.ops.full(v.shape, float("nan")) for v in variables]
+    optimizer.consecutive_skips.assign(0)
+    for _ in range(3):
+        optimizer.apply(nan_grads, variables)
+    assert int(to_numpy(optimizer.consecutive_skips)) == 2

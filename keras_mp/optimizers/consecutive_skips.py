@@ -5,7 +5,9 @@
 in a row, updated inside the step from what the step did (no host read),
 and `check_consecutive_skips`, which `fit` calls on the host at the end of
 each batch (`keras_mp.callbacks`) and which raises once the count reaches
-the limit. Imports `keras_mp.backend` and `optimizers/overflow.py`; never
+the limit; on PyTorch's host-decided step, the step itself calls it after
+a skipped step instead (no read on an applied one). Imports
+`keras_mp.backend` and `optimizers/overflow.py`; never
 `loss_scale_optimizer.py` or `wrapper.py`.
 
 The default limit, 2, is where Megatron-LM and DeepSpeed meet for a step
@@ -64,8 +66,28 @@ class ConsecutiveSkipsMixin:
 
     Relies on the optimizer's `iterations`, `_skipped_steps`,
     `track_overflow`, the overflow counters, `_trainable_variables`,
-    `skip_nonfinite`, `_loss_scale`, `add_variable` and `built`.
+    `skip_nonfinite`, `_loss_scale`, `add_variable`, `built`,
+    `_skips_on_host` and `_accumulation_steps`.
     """
+
+    # Set by `fit` (`keras_mp.models`) where the step itself checks the
+    # count: PyTorch's step decided on the host, which knows without a
+    # read whether it skipped, and reads the count only then. A per-batch
+    # callback would make Keras read every batch's logs on the host.
+    _checks_skips_in_step = False
+    # Whether the last step decided on the host was skipped.
+    _skipped_on_host = False
+
+    def checks_skips_in_step(self):
+        """Whether a step can check `max_consecutive_skips` itself, for
+        free: on PyTorch, where the skip is a Python branch (no
+        `skip_on_device`) on a step that is not an accumulation
+        micro-step."""
+        return (
+            self._max_consecutive_skips is not None
+            and self._skips_on_host()
+            and not self._accumulation_steps()
+        )
 
     @property
     def max_consecutive_skips(self):
@@ -140,6 +162,13 @@ class ConsecutiveSkipsMixin:
                 counted,
             )
         )
+
+    def _check_skips_after_step(self):
+        """Inside `fit` on PyTorch's host-decided step: the check, made
+        only after a skipped step (one integer read then, none else)."""
+        if self._checks_skips_in_step and self._skipped_on_host:
+            self._skipped_on_host = False
+            self.check_consecutive_skips()
 
     def check_consecutive_skips(self, consecutive_skips=None, model=None):
         """Raises `FloatingPointError` once `max_consecutive_skips` steps in

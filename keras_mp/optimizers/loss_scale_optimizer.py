@@ -485,6 +485,7 @@ class LossScaleOptimizer(
         self._run_loss_scaled_step(grads_and_vars)
         self._count_consecutive_skips(before)
         self._write_loss_scale_into_carriers(grads_and_vars)
+        self._check_skips_after_step()
 
     def _write_loss_scale_into_carriers(self, grads_and_vars):
         # The backward of a delayed FP8 layer multiplies its history's
