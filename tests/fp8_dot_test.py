@@ -17,6 +17,7 @@ from keras import ops
 
 from keras_mp import fp8
 from keras_mp.testing import fp8_reference as reference
+from keras_mp.testing import gemm_and_gradients as _run
 from keras_mp.testing import to_numpy
 
 
@@ -33,46 +34,10 @@ def _operands(m, k, n, seed=0):
     return spread(m, k, 0), spread(k, n, 1), spread(m, n, 0)
 
 
-_JITTED = {}
-
-
 @functools.cache
 def _dot(recipe):
     """One function per recipe, so that JAX compiles it once per shape."""
     return lambda x, kernel: fp8.dot(x, kernel, recipe)
-
-
-def _run(function, x, kernel, g, jit=True):
-    """`function(x, kernel)` and its gradients for output gradient `g`
-    (on JAX in one `jax.jit`, unless `jit=False`: op by op, JAX compiles
-    each op for each new shape, ten times slower here)."""
-    backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
-
-        def step(x, kernel, g):
-            out, vjp = jax.vjp(function, x, kernel)
-            return (out, *vjp(ops.cast(g, out.dtype)))
-
-        if not jit:
-            return step(x, kernel, g)
-        if function not in _JITTED:
-            _JITTED[function] = jax.jit(step)
-        return _JITTED[function](x, kernel, g)
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        x, kernel = tf.convert_to_tensor(x), tf.convert_to_tensor(kernel)
-        with tf.GradientTape() as tape:
-            tape.watch([x, kernel])
-            out = function(x, kernel)
-        g = tf.cast(tf.convert_to_tensor(g), out.dtype)
-        return (out, *tape.gradient(out, [x, kernel], output_gradients=g))
-    x = ops.convert_to_tensor(x).detach().clone().requires_grad_(True)
-    kernel = ops.convert_to_tensor(kernel).detach().clone().requires_grad_(True)
-    out = function(x, kernel)
-    out.backward(ops.convert_to_tensor(g).to(out.dtype))
-    return out.detach(), x.grad, kernel.grad
 
 
 def _assert_matches_reference(results, expected):

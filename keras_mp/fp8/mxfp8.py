@@ -22,8 +22,8 @@ Imports only `keras_mp.fp8.quantize` and `keras_mp.fp8.recipe`.
 import numpy as np
 from keras import ops
 
-from keras_mp.fp8.quantize import check_float
-from keras_mp.fp8.quantize import encode
+from keras_mp.fp8.codes import check_float
+from keras_mp.fp8.codes import encode
 from keras_mp.fp8.recipe import check_choice
 
 BLOCK = 32

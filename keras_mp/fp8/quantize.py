@@ -13,19 +13,24 @@ from keras import ops
 from keras_mp.fp8 import quantizers
 from keras_mp.fp8.codes import FORMATS
 from keras_mp.fp8.codes import check_float
-from keras_mp.fp8.codes import check_format
 from keras_mp.fp8.recipe import GRANULARITIES
+from keras_mp.fp8.recipe import MX_FORMATS
+from keras_mp.fp8.recipe import SCALE_ROUNDINGS
 from keras_mp.fp8.recipe import check_choice
+
+# The dtype of the codes of the formats `codes.FORMATS` does not hold.
+_CODE_DTYPES = {"mxfp8": "float8_e4m3fn"}
 
 
 def quantize(
     x,
     fmt="e4m3",
-    granularity="tensorwise",
+    granularity=None,
     scale=None,
     axis=-1,
     margin=0,
     block_shape=None,
+    scale_rounding=None,
 ):
     """Quantizes `x` to FP8 codes and float32 power-of-two scales.
 
@@ -42,15 +47,20 @@ def quantize(
     Args:
         x: A floating point tensor (float16, bfloat16, float32, float64);
             quantized in float32.
-        fmt: `"e4m3"` (`float8_e4m3fn`, largest value 448) or `"e5m2"`
-            (`float8_e5m2`, largest value 57344). Defaults to `"e4m3"`.
+        fmt: `"e4m3"` (`float8_e4m3fn`, largest value 448), `"e5m2"`
+            (`float8_e5m2`, largest value 57344), or `"mxfp8"` (OCP
+            MXFP8: E4M3 codes in blocks of 32 along `axis`, each block's
+            scale an E8M0 code, `uint8`, of shape `x.shape` with `axis`
+            divided by 32; see `keras_mp/fp8/mxfp8.py`). Defaults to
+            `"e4m3"`.
         granularity: `"tensorwise"` (one scale, shape `()`), `"rowwise"`
             (one scale per slice along `axis`: the amax is reduced over
             `axis`, which stays as a size-1 dimension), or `"block"`
             (one scale per tile of `BLOCK_SIZE = 128` consecutive values
             along `axis`, DeepSeek-V3's 1x128 tiles of activations and
             gradients: the scale has `x`'s shape with `axis` divided by
-            128). Defaults to `"tensorwise"`.
+            128). With `fmt="mxfp8"`: `"microblock"`, its own. Defaults
+            to `None`: `"microblock"` for `"mxfp8"`, else `"tensorwise"`.
         scale: Scales to use instead of computing them from `x` (e.g.
             the delayed scales of a layer), in the shape this function
             returns for `granularity`. Defaults to `None`.
@@ -62,6 +72,9 @@ def quantize(
             tiles, and a scale of shape
             `(rows / 128, columns / 128)`; `axis` is then unused.
             Defaults to `None` (1x128 tiles along `axis`).
+        scale_rounding: With `fmt="mxfp8"`, `"rceil"` (the power of two
+            at or above `amax / 448`) or `"floor"` (OCP's rule). Defaults
+            to `None`: `"rceil"`.
 
     Returns:
         `(codes, scale)`: codes of `x`'s shape in the FP8 dtype, and a
@@ -78,7 +91,16 @@ def quantize(
     >>> keras.ops.convert_to_numpy(keras.ops.cast(codes, "float32")).tolist()
     [2.0, -12.0, 384.0]
     """
-    quantizer = _check(fmt, granularity, block_shape)
+    quantizer, granularity = _check(fmt, granularity, block_shape)
+    if fmt in MX_FORMATS:
+        _check_mx_arguments(fmt, scale, margin, scale_rounding)
+        quantizer = quantizers.mx(scale_rounding or "rceil")
+    elif scale_rounding is not None:
+        raise ValueError(
+            "`scale_rounding` rounds the E8M0 scales of an MX format. "
+            f"Received: fmt={fmt!r}, scale_rounding={scale_rounding!r}. "
+            'Leave it as None, or pass fmt="mxfp8".'
+        )
     if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
         raise ValueError(
             f"`margin` is an integer >= 0. Received: margin={margin!r}"
@@ -96,7 +118,7 @@ def dequantize(
     codes,
     scale,
     fmt="e4m3",
-    granularity="tensorwise",
+    granularity=None,
     axis=-1,
     block_shape=None,
 ):
@@ -106,13 +128,15 @@ def dequantize(
         codes: What `quantize` returned as codes.
         scale: What `quantize` returned as the scale.
         fmt: The format of the codes. Defaults to `"e4m3"`.
-        granularity: As given to `quantize`. Defaults to `"tensorwise"`.
+        granularity: As given to `quantize`. Defaults to `None` (the
+            format's default, as in `quantize`).
         axis: As given to `quantize`. Defaults to `-1`.
         block_shape: As given to `quantize`. Defaults to `None`.
 
     Returns:
         A float32 tensor of the shape of `codes`: each code times its
-        scale (exact: the scales are powers of two).
+        scale (exact: the scales are powers of two; MXFP8's subnormal
+        results too).
 
     Example:
 
@@ -121,22 +145,39 @@ def dequantize(
     >>> keras.ops.convert_to_numpy(y).tolist()
     [0.5, -3.0, 96.0]
     """
-    quantizer = _check(fmt, granularity, block_shape)
+    quantizer, granularity = _check(fmt, granularity, block_shape)
     codes = ops.convert_to_tensor(codes)
     dtype = keras.backend.standardize_dtype(codes.dtype)
-    if dtype != FORMATS[fmt][0]:
+    expected = _CODE_DTYPES.get(fmt) or FORMATS[fmt][0]
+    if dtype != expected:
         raise TypeError(
-            f"`codes` of fmt={fmt!r} are {FORMATS[fmt][0]}. Received: codes "
+            f"`codes` of fmt={fmt!r} are {expected}. Received: codes "
             f"of dtype {dtype}. Pass the codes `keras_mp.fp8.quantize` "
             "returned, with the `fmt` they were quantized in."
         )
-    scale = ops.cast(ops.convert_to_tensor(scale), "float32")
+    scale = ops.convert_to_tensor(scale)
+    if fmt not in MX_FORMATS:
+        scale = ops.cast(scale, "float32")
     axis = _check_axis(axis, codes, granularity, block_shape)
     return quantizer.dequantize(codes, scale, axis, block_shape)
 
 
 def _check(fmt, granularity, block_shape):
-    check_format(fmt)
+    """The quantizer of `fmt` at `granularity` (None: the format's
+    default), and that granularity."""
+    check_choice("fmt", fmt, (*FORMATS, *MX_FORMATS))
+    if fmt in MX_FORMATS:
+        own = MX_FORMATS[fmt]
+        if granularity not in (None, own) or block_shape is not None:
+            raise ValueError(
+                f"fmt={fmt!r} scales blocks of 32 values along `axis` "
+                f"(granularity={own!r}), with no other tiling. Received: "
+                f"granularity={granularity!r}, block_shape={block_shape!r}. "
+                "Leave both as None."
+            )
+        return quantizers.mx("rceil"), own
+    if granularity is None:
+        granularity = "tensorwise"
     check_choice("granularity", granularity, GRANULARITIES)
     if block_shape is not None and granularity != "block":
         raise ValueError(
@@ -144,7 +185,19 @@ def _check(fmt, granularity, block_shape):
             f"block_shape={block_shape!r} with granularity={granularity!r}. "
             'Pass granularity="block", or leave `block_shape` as None.'
         )
-    return quantizers.BY_GRANULARITY[granularity]
+    return quantizers.BY_GRANULARITY[granularity], granularity
+
+
+def _check_mx_arguments(fmt, scale, margin, scale_rounding):
+    if scale is not None or margin != 0:
+        raise ValueError(
+            f"fmt={fmt!r} takes each block's E8M0 scale from its own amax: "
+            "no given scale, no margin. Received: "
+            f"scale={'a tensor' if scale is not None else None}, "
+            f"margin={margin!r}. Leave `scale` as None and `margin` as 0."
+        )
+    if scale_rounding is not None:
+        check_choice("scale_rounding", scale_rounding, SCALE_ROUNDINGS)
 
 
 def _check_axis(axis, x, granularity, block_shape):

@@ -15,7 +15,15 @@ from keras_mp import _config
 
 SCALINGS = ("current", "delayed", "static")
 GRANULARITIES = ("tensorwise", "rowwise", "block")
-FORMATS = ("hybrid", "e4m3")
+FORMATS = ("hybrid", "e4m3", "mxfp8")
+# The formats whose blocks and scales are their own (OCP MX: 32 values
+# along each GEMM's contracted axis share an E8M0 scale), by granularity.
+MX_FORMATS = {"mxfp8": "microblock"}
+# How an MX block's E8M0 scale is rounded: "rceil" (the power of two at or
+# above amax / 448: Transformer Engine, JAX, torchao's training recipes)
+# or "floor" (the OCP specification's rule, which may clip the block's
+# largest values to 448).
+SCALE_ROUNDINGS = ("rceil", "floor")
 AMAX_ALGOS = ("max", "most_recent")
 
 # DeepSeek-V3's tiles: 1x128 for activations and gradients, 128x128 for
@@ -31,6 +39,7 @@ FIELDS = (
     "amax_history",
     "amax_algo",
     "stats",
+    "scale_rounding",
 )
 
 # Names other FP8 libraries give these fields (Transformer Engine's
@@ -81,6 +90,50 @@ def _check_int(name, value, minimum):
     return int(value)
 
 
+def _check_mx(formats, granularity, scale_rounding, scaling, margin):
+    """The granularity and scale rounding a recipe of `formats` takes,
+    or a ValueError naming the fix."""
+    own = MX_FORMATS.get(formats)
+    if own is None:
+        if granularity is None:
+            granularity = "tensorwise"
+        check_choice("granularity", granularity, GRANULARITIES)
+        if scale_rounding is not None:
+            raise ValueError(
+                "`scale_rounding` is how an MX block's E8M0 scale is "
+                f"rounded, so it goes with formats in {list(MX_FORMATS)}. "
+                f"Received: formats={formats!r}, scale_rounding="
+                f"{scale_rounding!r}. Leave `scale_rounding` as None, or "
+                'use formats="mxfp8".'
+            )
+        return granularity, None
+    if granularity not in (None, own):
+        raise ValueError(
+            f"formats={formats!r} scales blocks of 32 values along each "
+            f"GEMM's contracted axis (granularity={own!r}). Received: "
+            f"granularity={granularity!r}. Leave `granularity` as None, or "
+            'use formats="hybrid" or "e4m3" for other granularities.'
+        )
+    if scaling != "current":
+        raise ValueError(
+            f"formats={formats!r} takes each block's scale from this "
+            "step's values (current scaling): its scales are one per 32 "
+            f"values, with no history. Received: scaling={scaling!r}. Use "
+            f'scaling="current" with formats={formats!r}, or formats='
+            f'"hybrid" for {scaling} scaling.'
+        )
+    if margin != 0:
+        raise ValueError(
+            f"formats={formats!r} rounds its E8M0 scales by "
+            "`scale_rounding`, with no margin. Received: "
+            f"margin={margin!r}. Leave `margin` as 0."
+        )
+    if scale_rounding is None:
+        scale_rounding = "rceil"
+    check_choice("scale_rounding", scale_rounding, SCALE_ROUNDINGS)
+    return own, scale_rounding
+
+
 @keras.saving.register_keras_serializable(package="keras_mp")
 class Recipe:
     """How the GEMMs of a layer run in FP8.
@@ -106,11 +159,17 @@ class Recipe:
             dimension (per token for activations and gradients, per output
             channel for kernels). `"block"`: DeepSeek-V3's tiles, 1x128 for
             activations and output gradients, 128x128 for kernels; the
-            GEMM's dimensions must be multiples of 128. Defaults to
-            `"tensorwise"`.
+            GEMM's dimensions must be multiples of 128. `"microblock"`:
+            the MX formats' own, 32 values along each GEMM's contracted
+            axis (given by `formats="mxfp8"`). Defaults to `None`:
+            `"microblock"` for `formats="mxfp8"`, `"tensorwise"` otherwise.
         formats: `"hybrid"` (E4M3 for inputs and kernels, E5M2 for output
-            gradients, whose range matters more than their precision) or
-            `"e4m3"` (E4M3 everywhere). Defaults to `"hybrid"`.
+            gradients, whose range matters more than their precision),
+            `"e4m3"` (E4M3 everywhere), or `"mxfp8"` (OCP MXFP8: E4M3
+            values in blocks of 32 along each GEMM's contracted axis, each
+            block with an E8M0 power-of-two scale, every operand quantized
+            from its high-precision source; current scaling, no margin).
+            Defaults to `"hybrid"`.
         margin: The scale leaves `2**margin` of headroom below the format's
             largest value. Defaults to `0`.
         amax_history: Steps of amax kept with `scaling="delayed"`. Defaults
@@ -124,6 +183,15 @@ class Recipe:
             has one more trainable variable, `fp8_stats`, that the
             optimizer overwrites with each step's statistics. Defaults to
             `False` (no statistics, no extra work).
+        scale_rounding: With `formats="mxfp8"`, how a block's E8M0 scale
+            is rounded: `"rceil"`, the power of two at or above
+            `amax / 448` (Transformer Engine's, JAX's and torchao's
+            training rule; no value clips), or `"floor"`, the OCP
+            specification's `2**(floor(log2(amax)) - 8)` (a block whose
+            amax has a mantissa above 1.75 clips to 448). Defaults to
+            `None`: `"rceil"` for `"mxfp8"`; other formats take no
+            rounding (their scales are the power of two at or above
+            `amax / fmax`).
 
     Example:
 
@@ -137,19 +205,22 @@ class Recipe:
     def __init__(
         self,
         scaling="current",
-        granularity="tensorwise",
+        granularity=None,
         formats="hybrid",
         margin=0,
         amax_history=1024,
         amax_algo="max",
         stats=False,
+        scale_rounding=None,
         **kwargs,
     ):
         if kwargs:
             raise ValueError(_unknown_fields_message(kwargs))
         check_choice("scaling", scaling, SCALINGS)
-        check_choice("granularity", granularity, GRANULARITIES)
         check_choice("formats", formats, FORMATS)
+        granularity, scale_rounding = _check_mx(
+            formats, granularity, scale_rounding, scaling, margin
+        )
         check_choice("amax_algo", amax_algo, AMAX_ALGOS)
         self._scaling = scaling
         self._granularity = granularity
@@ -164,6 +235,7 @@ class Recipe:
                 "`stats=True` or `stats=False`."
             )
         self._stats = stats
+        self._scale_rounding = scale_rounding
         if scaling != "current" and granularity != "tensorwise":
             raise ValueError(
                 f"{scaling.capitalize()} scaling keeps one scale per tensor "
@@ -182,6 +254,7 @@ class Recipe:
     amax_history = property(lambda self: self._amax_history)
     amax_algo = property(lambda self: self._amax_algo)
     stats = property(lambda self: self._stats)
+    scale_rounding = property(lambda self: self._scale_rounding)
 
     @property
     def forward_format(self):
@@ -194,7 +267,7 @@ class Recipe:
         return "e5m2" if self._formats == "hybrid" else "e4m3"
 
     def get_config(self):
-        return {
+        config = {
             "scaling": self._scaling,
             "granularity": self._granularity,
             "formats": self._formats,
@@ -203,6 +276,11 @@ class Recipe:
             "amax_algo": self._amax_algo,
             "stats": self._stats,
         }
+        # Only the MX formats have a scale rounding: the configs of the
+        # others stay what earlier versions wrote.
+        if self._scale_rounding is not None:
+            config["scale_rounding"] = self._scale_rounding
+        return config
 
     @classmethod
     def from_config(cls, config):

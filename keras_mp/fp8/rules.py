@@ -56,7 +56,8 @@ class Rules:
 
     Every `Dense` and `EinsumDense` (`MultiHeadAttention`'s projections
     included) whose GEMM dimensions are multiples of `multiple`
-    (`block_multiple` for a `"block"` recipe), except the layers that
+    (`block_multiple` for a `"block"` recipe, `mx_multiple` for an MX
+    format's), except the layers that
     produce a Sequential or functional model's outputs: the logits, which
     a loss reads, keep the compute dtype, as embeddings do (an `Embedding`
     has no GEMM). FP8 tensor cores and `torch._scaled_mm` need dimensions
@@ -67,6 +68,9 @@ class Rules:
             `16`.
         block_multiple: The same for a `"block"` recipe, whose kernel
             tiles are 128x128. Defaults to `128`.
+        mx_multiple: The same for `formats="mxfp8"`, whose blocks are 32
+            values along each GEMM's contracted axis (K for the forward
+            GEMM, N for the input gradient). Defaults to `32`.
 
     Example:
 
@@ -77,10 +81,11 @@ class Rules:
     'dims 10x3 not multiples of 16'
     """
 
-    def __init__(self, multiple=16, block_multiple=128):
+    def __init__(self, multiple=16, block_multiple=128, mx_multiple=32):
         for name, value in (
             ("multiple", multiple),
             ("block_multiple", block_multiple),
+            ("mx_multiple", mx_multiple),
         ):
             if (
                 isinstance(value, bool)
@@ -92,14 +97,18 @@ class Rules:
                 )
         self._multiple = int(multiple)
         self._block_multiple = int(block_multiple)
+        self._mx_multiple = int(mx_multiple)
 
     multiple = property(lambda self: self._multiple)
     block_multiple = property(lambda self: self._block_multiple)
+    mx_multiple = property(lambda self: self._mx_multiple)
 
     def required_multiple(self, recipe):
         """The multiple a GEMM's dimensions need under `recipe`."""
         if recipe.granularity == "block":
             return self._block_multiple
+        if recipe.granularity == "microblock":
+            return self._mx_multiple
         return self._multiple
 
     def skip_reason(self, layer, recipe, is_output=False):
@@ -131,7 +140,8 @@ class Rules:
     def __repr__(self):
         return (
             f"Rules(multiple={self._multiple}, "
-            f"block_multiple={self._block_multiple})"
+            f"block_multiple={self._block_multiple}, "
+            f"mx_multiple={self._mx_multiple})"
         )
 
 
@@ -160,16 +170,21 @@ def check_layer(layer, recipe):
             "`keras_mp.precision_rules`, or use `keras_mp.set_global_policy("
             "policy, fp8=recipe)`, whose rules pick the layers."
         )
-    if recipe.granularity != "block" or not layer.built:
+    if recipe.granularity not in ("block", "microblock") or not layer.built:
         return
     dims = gemm_dims(layer)
-    multiple = DEFAULT_RULES.block_multiple
+    multiple = DEFAULT_RULES.required_multiple(recipe)
+    blocks = (
+        "128x128 tiles of granularity='block'"
+        if recipe.granularity == "block"
+        else f"blocks of 32 of formats={recipe.formats!r}"
+    )
     if any(size % multiple for size in dims):
         raise ValueError(
             f"Layer {layer.name!r} ({name}) has GEMM dimensions "
             f"{_dims_text(dims)}, not multiples of {multiple}, so its "
-            "kernel does not divide into the 128x128 tiles of "
-            f"granularity='block'. Received: fp8={recipe!r}. Use "
-            "granularity='rowwise' or 'tensorwise' for this layer, or "
-            f"make its dimensions multiples of {multiple}."
+            f"kernel does not divide into the {blocks}. Received: "
+            f"fp8={recipe!r}. Use granularity='rowwise' or 'tensorwise' "
+            "for this layer, or make its dimensions multiples of "
+            f"{multiple}."
         )

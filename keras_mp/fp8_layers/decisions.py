@@ -82,6 +82,8 @@ def describe(layer, policy):
             text += f" history={recipe.amax_history} {recipe.amax_algo}"
         if recipe.margin:
             text += f" margin={recipe.margin}"
+        if recipe.scale_rounding not in (None, "rceil"):
+            text += f" scale_rounding={recipe.scale_rounding}"
         return text + (" +stats" if recipe.stats else "")
     reason = getattr(layer, "_keras_mp_fp8_reason", None)
     if reason is not None:

@@ -22,6 +22,7 @@ __all__ = [
     "assert_close",
     "count_host_syncs",
     "describe_machine",
+    "gemm_and_gradients",
     "run_python",
     "run_script",
     "script_backend",
@@ -70,6 +71,45 @@ def apply_as_fit(optimizer, grads, variables, scale_loss=False):
         variable.assign(value)
     for variable, value in zip(optimizer.variables, new_optimizer_values):
         variable.assign(value)
+
+
+_GEMMS_JITTED = {}
+
+
+def gemm_and_gradients(function, x, kernel, g, jit=True):
+    """`function(x, kernel)` and its gradients for output gradient `g`
+    (on JAX in one `jax.jit`, unless `jit=False`: op by op, JAX compiles
+    each op for each new shape, ten times slower here)."""
+    import keras
+    from keras import ops
+
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        def step(x, kernel, g):
+            out, vjp = jax.vjp(function, x, kernel)
+            return (out, *vjp(ops.cast(g, out.dtype)))
+
+        if not jit:
+            return step(x, kernel, g)
+        if function not in _GEMMS_JITTED:
+            _GEMMS_JITTED[function] = jax.jit(step)
+        return _GEMMS_JITTED[function](x, kernel, g)
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        x, kernel = tf.convert_to_tensor(x), tf.convert_to_tensor(kernel)
+        with tf.GradientTape() as tape:
+            tape.watch([x, kernel])
+            out = function(x, kernel)
+        g = tf.cast(tf.convert_to_tensor(g), out.dtype)
+        return (out, *tape.gradient(out, [x, kernel], output_gradients=g))
+    x = ops.convert_to_tensor(x).detach().clone().requires_grad_(True)
+    kernel = ops.convert_to_tensor(kernel).detach().clone().requires_grad_(True)
+    out = function(x, kernel)
+    out.backward(ops.convert_to_tensor(g).to(out.dtype))
+    return out.detach(), x.grad, kernel.grad
 
 
 def describe_machine():

@@ -9,16 +9,35 @@ from keras_mp.fp8.quantizers.base import Dtypes
 from keras_mp.fp8.quantizers.base import Quantizer
 from keras_mp.fp8.quantizers.base import Rows
 from keras_mp.fp8.quantizers.block import Block
+from keras_mp.fp8.quantizers.mxfp8 import Mxfp8
 from keras_mp.fp8.quantizers.rowwise import Rowwise
 from keras_mp.fp8.quantizers.tensorwise import Tensorwise
 
 # Power-of-two E4M3 / E5M2 scales, by granularity.
 BY_GRANULARITY = {q.name: q for q in (Tensorwise(), Rowwise(), Block())}
+# MXFP8, by the rounding of its E8M0 scales.
+_MX = {rounding: Mxfp8(rounding) for rounding in ("rceil", "floor")}
+
+
+def mx(scale_rounding):
+    """The MXFP8 quantizer whose scales round by `scale_rounding`."""
+    return _MX[scale_rounding]
 
 
 def get(recipe):
     """The quantizer of a recipe's GEMMs."""
+    if recipe.granularity == "microblock":
+        return mx(recipe.scale_rounding)
     return BY_GRANULARITY[recipe.granularity]
 
 
-__all__ = ["BY_GRANULARITY", "Call", "Dtypes", "Quantizer", "Rows", "get"]
+__all__ = [
+    "BY_GRANULARITY",
+    "Call",
+    "Dtypes",
+    "Mxfp8",
+    "Quantizer",
+    "Rows",
+    "get",
+    "mx",
+]

@@ -1,0 +1,99 @@
+"""OCP MXFP8: E4M3 values in blocks of 32 along each GEMM's contracted
+axis, each block with an E8M0 power-of-two scale (`keras_mp/fp8/mxfp8.py`).
+
+Every operand is quantized from its high-precision source along the axis
+its GEMM contracts, as Transformer Engine's MXFP8 recipe does:
+
+- forward `x @ w`: x in 1x32 blocks along K, the kernel in 32x1 blocks
+  along K;
+- input gradient `g @ w^T`: g along N, the kernel along N;
+- kernel gradient `x^T @ g`: x and g in blocks of 32 tokens (the token
+  count padded with zero rows to a multiple of 32: a zero changes no
+  block's scale and no sum).
+
+Each GEMM multiplies the dequantized operands (exact: a code times a power
+of two) with float32 accumulation: on a CPU, bit for bit "dequantize,
+then a float32 matmul".
+"""
+
+from keras import ops
+
+from keras_mp.backend import fp8 as fp8_backend
+from keras_mp.fp8 import mxfp8
+from keras_mp.fp8.quantizers.base import Quantizer
+
+
+def _pad_rows(t):
+    """`t` with zero rows appended up to a multiple of `mxfp8.BLOCK`."""
+    rows = ops.shape(t)[0]
+    pad = -rows % mxfp8.BLOCK
+    if isinstance(rows, int):
+        return ops.pad(t, ((0, pad), (0, 0))) if pad else t
+    # A TensorFlow graph of unknown batch size: `pad` is a tensor.
+    return ops.concatenate([t, ops.zeros((pad, t.shape[1]), t.dtype)], 0)
+
+
+class Mxfp8(Quantizer):
+    """MXFP8 with one rule for rounding its E8M0 scales."""
+
+    name = "microblock"
+
+    def __init__(self, scale_rounding="rceil"):
+        self.scale_rounding = scale_rounding
+
+    def quantize(self, x, fmt, axis, margin, scale, block_shape):
+        return mxfp8.quantize(x, axis, self.scale_rounding)
+
+    def dequantize(self, codes, scale, axis, block_shape):
+        return mxfp8.dequantize(codes, scale, axis)
+
+    def check(self, kernel_shape, recipe):
+        if any(d is None or d % mxfp8.BLOCK for d in kernel_shape):
+            raise ValueError(
+                f"formats='mxfp8' quantizes the kernel in blocks of "
+                f"{mxfp8.BLOCK} along K (forward) and along N (input "
+                f"gradient), so both of its dimensions must be multiples "
+                f"of {mxfp8.BLOCK}. Received: kernel.shape="
+                f"{tuple(kernel_shape)}. Pad the kernel's dimensions to "
+                f"multiples of {mxfp8.BLOCK}, or use formats='hybrid' for "
+                "this GEMM."
+            )
+
+    def _values(self, call, name, t, axis, fmt="e4m3"):
+        """`t` quantized in blocks along `axis` and dequantized: the
+        values the GEMM multiplies; the quantization's statistics go to
+        `name`'s row where asked."""
+        codes, scale = mxfp8.quantize(t, axis, self.scale_rounding)
+        values = mxfp8.dequantize(codes, scale, axis)
+        if call.rows is not None and name not in call.rows:
+            shape = list(t.shape)
+            shape[axis : axis + 1] = [-1, mxfp8.BLOCK]
+            scales = ops.expand_dims(mxfp8.scale_values(scale), axis + 1)
+            call.observe(name, ops.reshape(t, shape), scales, fmt)
+        return values
+
+    def _kernel_values(self, call, w, axis):
+        """The kernel's values along `axis`, computed once while it is
+        unchanged (`keras_mp.backend.fp8.reuse`)."""
+        if call.rows is not None:
+            return self._values(call, "kernel", w, axis)
+        key = ("mxfp8", self.scale_rounding, axis)
+        return fp8_backend.reuse(
+            w, key, lambda: self._values(call, "kernel", w, axis)
+        )
+
+    def forward(self, call, x, w):
+        call.saved.update(x=x, w=w)
+        vx = self._values(call, "input", x, 1)
+        vw = self._kernel_values(call, w, 0)
+        return fp8_backend.einsum_float32("mk,kn->mn", vx, vw, call.dtypes.out)
+
+    def input_gradient(self, call, g):
+        vg = self._values(call, "output_gradient", g, 1)
+        vw = self._kernel_values(call, call.saved["w"], 1)
+        return fp8_backend.einsum_float32("mn,kn->mk", vg, vw, call.dtypes.dx)
+
+    def kernel_gradient(self, call, g):
+        vx = self._values(call, "input", _pad_rows(call.saved["x"]), 0)
+        vg = self._values(call, "output_gradient", _pad_rows(g), 0)
+        return fp8_backend.einsum_float32("mk,mn->kn", vx, vg, call.dtypes.dw)

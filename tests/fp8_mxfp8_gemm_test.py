@@ -1,0 +1,234 @@
+"""MXFP8 GEMMs: `fp8.Recipe(formats="mxfp8")` in `fp8.dot` and in `fit`.
+
+Each GEMM role quantizes its operands along its own contracted axis, each
+from the high-precision source (Transformer Engine's MXFP8 recipe): the
+forward along K, the input gradient along N, the kernel gradient along the
+tokens. Each result must be, bit for bit, the backend's own float32 matmul
+of the oracle's dequantized operands (`fp8_reference.mx_quantize`), the
+definition of an MXFP8 GEMM on a CPU.
+"""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_mp
+from keras_mp import fp8
+from keras_mp.testing import fp8_reference as reference
+from keras_mp.testing import gemm_and_gradients
+from keras_mp.testing import to_numpy
+
+RECIPES = {
+    "rceil": fp8.Recipe(formats="mxfp8"),
+    "floor": fp8.Recipe(formats="mxfp8", scale_rounding="floor"),
+}
+
+
+def _dequantized(t, axis, rounding):
+    """The oracle's MXFP8 values of `t` in blocks along `axis`, with zero
+    rows padded to a multiple of 32 where the blocks run along rows."""
+    if axis == 0 and t.shape[0] % 32:
+        t = np.concatenate(
+            [t, np.zeros((-t.shape[0] % 32, t.shape[1]), t.dtype)]
+        )
+    codes, scale = reference.mx_quantize(t, axis, rounding)
+    return reference.mx_dequantize(codes, scale, axis).astype(np.float32)
+
+
+def _operands(m=48, k=96, n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    # Blocks of very different magnitudes: each block's scale matters.
+    x = rng.normal(size=(m, k)) * np.exp2(rng.uniform(-6, 6, (m, 1)))
+    w = rng.normal(size=(k, n)) * np.exp2(rng.uniform(-6, 6, (1, n)))
+    g = rng.normal(size=(m, n)) * np.exp2(rng.uniform(-6, 6, (m, 1)))
+    return x.astype("float32"), w.astype("float32"), g.astype("float32")
+
+
+def _einsum(equation, a, b):
+    """The backend's own float32 GEMM, as `fp8.dot` writes it."""
+    return to_numpy(
+        ops.einsum(equation, ops.convert_to_tensor(a), ops.convert_to_tensor(b))
+    )
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+def test_each_gemm_is_the_float32_matmul_of_its_dequantized_operands(rounding):
+    x, w, g = _operands()
+    out, dx, dw = gemm_and_gradients(
+        lambda a, b: fp8.dot(a, b, RECIPES[rounding]), x, w, g
+    )
+    m = x.shape[0]
+    expected = {
+        # Forward: x along K, the kernel along K.
+        "out": _einsum(
+            "mk,kn->mn",
+            _dequantized(x, 1, rounding),
+            _dequantized(w, 0, rounding),
+        ),
+        # Input gradient: g along N, the kernel along N.
+        "dx": _einsum(
+            "mn,kn->mk",
+            _dequantized(g, 1, rounding),
+            _dequantized(w, 1, rounding),
+        ),
+        # Kernel gradient: x and g along the tokens (48, padded to 64).
+        "dw": _einsum(
+            "mk,mn->kn",
+            _dequantized(x, 0, rounding),
+            _dequantized(g, 0, rounding),
+        ),
+    }
+    for name, value in zip(("out", "dx", "dw"), (out, dx, dw)):
+        np.testing.assert_array_equal(to_numpy(value), expected[name], name)
+    assert to_numpy(dx).shape == (m, 96)
+
+
+def test_operands_are_quantized_along_each_gemms_own_axis():
+    """Quantizing the kernel gradient's operands along K instead (the
+    forward's codes, transposed) gives another result: the roles really
+    take their own blocks."""
+    x, w, g = _operands(seed=1)
+    x64, g64 = x[:32], g[:32]
+    _, _, dw = gemm_and_gradients(
+        lambda a, b: fp8.dot(a, b, RECIPES["rceil"]), x64, w, g64
+    )
+    forward_codes = _einsum(
+        "mk,mn->kn",
+        _dequantized(x64, 1, "rceil"),
+        _dequantized(g64, 1, "rceil"),
+    )
+    assert (to_numpy(dw) != forward_codes).any()
+
+
+def test_a_bfloat16_result_is_the_float32_result_rounded():
+    x, w, g = _operands(seed=2)
+    out32, _, _ = gemm_and_gradients(
+        lambda a, b: fp8.dot(a, b, RECIPES["rceil"], output_dtype="float32"),
+        x,
+        w,
+        g,
+    )
+    out16, _, _ = gemm_and_gradients(
+        lambda a, b: fp8.dot(a, b, RECIPES["rceil"], output_dtype="bfloat16"),
+        x,
+        w,
+        g,
+    )
+    expected = to_numpy(ops.cast(out32, "bfloat16")).astype(np.float32)
+    got = to_numpy(out16).astype(np.float32)
+    if keras.backend.backend() == "torch":
+        # PyTorch's CPU bfloat16 GEMM sums in its own order (1 ulp:
+        # `keras_mp.backend.fp8.einsum_float32`).
+        np.testing.assert_allclose(got, expected, rtol=2**-7)
+    else:
+        np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_a_nonfinite_value_keeps_its_gemm_nonfinite(bad):
+    """The codes never hide an inf or NaN: the block's scale is NaN, so a
+    loss-scale skip sees the step."""
+    x, w, g = _operands(seed=3)
+    g[5, 7] = bad
+    _, dx, dw = gemm_and_gradients(
+        lambda a, b: fp8.dot(a, b, RECIPES["rceil"]), x, w, g
+    )
+    assert not np.isfinite(to_numpy(dx)).all()
+    assert not np.isfinite(to_numpy(dw)).all()
+
+
+def test_kernels_whose_dimensions_are_not_multiples_of_32_are_refused():
+    x = np.ones((4, 48), "float32")
+    with pytest.raises(
+        ValueError, match="multiples of 32.*kernel.shape=.48, 64"
+    ):
+        fp8.dot(x, np.ones((48, 64), "float32"), RECIPES["rceil"])
+
+
+def test_the_recipe_says_what_goes_with_mxfp8():
+    recipe = RECIPES["rceil"]
+    assert recipe.granularity == "microblock"
+    assert recipe.scale_rounding == "rceil"
+    assert recipe.forward_format == recipe.backward_format == "e4m3"
+    assert fp8.Recipe.from_config(recipe.get_config()) == recipe
+    # The configs of the other formats are what earlier versions wrote.
+    assert "scale_rounding" not in fp8.Recipe().get_config()
+    with pytest.raises(ValueError, match='scaling="current" with formats'):
+        fp8.Recipe(formats="mxfp8", scaling="delayed")
+    with pytest.raises(ValueError, match="Leave `granularity` as None"):
+        fp8.Recipe(formats="mxfp8", granularity="rowwise")
+    with pytest.raises(ValueError, match="Leave `margin` as 0"):
+        fp8.Recipe(formats="mxfp8", margin=1)
+    with pytest.raises(ValueError, match='use formats="mxfp8"'):
+        fp8.Recipe(scale_rounding="floor")
+    with pytest.raises(ValueError, match="scale_rounding"):
+        fp8.Recipe(formats="mxfp8", scale_rounding="nearest")
+
+
+def test_quantize_and_dequantize_take_the_format():
+    x, _, _ = _operands(m=64, seed=4)
+    codes, scale = fp8.quantize(x, "mxfp8", axis=0, scale_rounding="floor")
+    expected_codes, expected_scale = reference.mx_quantize(x, 0, "floor")
+    np.testing.assert_array_equal(to_numpy(scale), expected_scale)
+    np.testing.assert_array_equal(
+        to_numpy(ops.cast(codes, "float32")), expected_codes.astype(np.float32)
+    )
+    values = fp8.dequantize(codes, scale, "mxfp8", axis=0)
+    np.testing.assert_array_equal(
+        to_numpy(values),
+        reference.mx_dequantize(expected_codes, expected_scale, 0),
+    )
+    with pytest.raises(ValueError, match="no given scale, no margin"):
+        fp8.quantize(x, "mxfp8", scale=1.0)
+    with pytest.raises(ValueError, match="Leave both as None"):
+        fp8.quantize(x, "mxfp8", granularity="block")
+    with pytest.raises(ValueError, match='pass fmt="mxfp8"'):
+        fp8.quantize(x, "e4m3", scale_rounding="floor")
+
+
+def _model():
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(96, activation="relu"),
+            keras.layers.Dense(48, activation="relu"),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(4),
+        ]
+    )
+
+
+def test_fit_trains_the_rules_layers_in_mxfp8_and_reloads_them(tmp_path):
+    keras_mp.set_global_policy("mixed_bfloat16", fp8=RECIPES["rceil"])
+    try:
+        keras.utils.set_random_seed(0)
+        model = _model()
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(256, 64)).astype("float32")
+        y = (x[:, :4] > 0).astype("float32")
+        model.compile(keras.optimizers.Adam(1e-2), loss="mse")
+        history = model.fit(x, y, batch_size=64, epochs=4, verbose=0)
+        fp8_columns = [
+            row["fp8"]
+            for row in keras_mp.explain_precision(model, print_fn=None)
+            if row["class_name"] == "Dense"
+        ]
+    finally:
+        keras_mp.set_global_policy("float32")
+    losses = history.history["loss"]
+    assert losses[-1] < losses[0]
+    assert fp8_columns[0] == "current/microblock/mxfp8"
+    assert fp8_columns[1] == "dims 96x48 not multiples of 32"
+    assert fp8_columns[2] == "dims 48x64 not multiples of 32"
+    assert fp8_columns[3] == "current/microblock/mxfp8"
+    assert fp8_columns[4] == "output layer"
+    path = tmp_path / "model.keras"
+    model.save(path)
+    restored = keras.saving.load_model(path)
+    assert restored.layers[0].dtype_policy.fp8 == RECIPES["rceil"]
+    np.testing.assert_array_equal(
+        to_numpy(restored.predict(x, verbose=0)),
+        to_numpy(model.predict(x, verbose=0)),
+    )
