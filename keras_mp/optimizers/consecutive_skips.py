@@ -128,9 +128,36 @@ class ConsecutiveSkipsMixin:
                 name="consecutive_skips",
             )
 
+    def _counts_on_host(self):
+        """Whether the step counts its skips in a row from the host's flag
+        (`_count_on_host`): PyTorch's host-decided step outside
+        accumulation, which knows whether it skipped without a read."""
+        return (
+            self._consecutive_skips is not None
+            and self._skips_on_host()
+            and not self._accumulation_steps()
+        )
+
+    def _count_on_host(self, skipped):
+        """The count after a step decided on the host: one more (held at
+        the limit) after a skipped step, 0 after an applied one unless
+        held. One small update, no read."""
+        if not self._counts_on_host():
+            return
+        count = self._consecutive_skips.value
+        limit = self._max_consecutive_skips
+        if skipped:
+            self._consecutive_skips.assign(ops.minimum(count + 1, limit))
+            self._skipped_on_host = True
+        else:
+            self._consecutive_skips.assign(
+                ops.where(count >= limit, count, ops.zeros_like(count))
+            )
+
     def _step_counters(self):
-        """`(skipped, applied)` so far, as int32 tensors, or None."""
-        if self._consecutive_skips is None:
+        """`(skipped, applied)` so far, as int32 tensors, or None (no
+        count, or one the host-decided step keeps: `_count_on_host`)."""
+        if self._consecutive_skips is None or self._counts_on_host():
             return None
         # Copies: on TensorFlow a variable converts to itself, whose value
         # the step is about to change.

@@ -96,7 +96,7 @@ class HostSkipMixin:
         self._loss_scale.update(is_finite)
         if not finite:
             self._skipped_steps.assign_add(1)
-            self._skipped_on_host = True
+        self._count_on_host(skipped=not finite)
 
     def _runs_fused_adam(self, grads_and_vars):
         """Whether the opt-in skip can be torch's fused Adam: Keras's own
