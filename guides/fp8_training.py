@@ -198,6 +198,12 @@ def train(recipe, train_data, eval_data, steps):
 # `fp8_scale`), so a step needs no amax of its own before its GEMM. The
 # first step runs current scaling; a step's amaxes reach the history by
 # the layer's next call; a step the loss scale skips writes nothing.
+#
+# "mxfp8" is OCP MXFP8 (Blackwell's FP8): E4M3 values in blocks of 32 along
+# each GEMM's contracted axis, each block with an E8M0 power-of-two scale,
+# every operand quantized from its bfloat16 source along the axis its GEMM
+# contracts (Transformer Engine's MXFP8 recipe). Its GEMMs need dimensions
+# that are multiples of 32; the rules keep the others in bfloat16.
 
 RECIPES = {
     "tensorwise": keras_mp.fp8.Recipe(granularity="tensorwise", stats=True),
@@ -205,6 +211,7 @@ RECIPES = {
     "block": keras_mp.fp8.Recipe(granularity="block"),
     "e4m3 tensorwise": keras_mp.fp8.Recipe(formats="e4m3"),
     "delayed": keras_mp.fp8.Recipe(scaling="delayed"),
+    "mxfp8": keras_mp.fp8.Recipe(formats="mxfp8"),
 }
 
 

@@ -232,3 +232,32 @@ def test_fit_trains_the_rules_layers_in_mxfp8_and_reloads_them(tmp_path):
         to_numpy(restored.predict(x, verbose=0)),
         to_numpy(model.predict(x, verbose=0)),
     )
+
+
+def test_report_names_the_format_and_a_nonfinite_batch_is_skipped():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(128, 64)).astype("float32")
+    y = (x[:, :4] > 0).astype("float32")
+    keras_mp.set_global_policy(
+        "mixed_bfloat16", fp8=fp8.Recipe(formats="mxfp8", stats=True)
+    )
+    try:
+        keras.utils.set_random_seed(0)
+        model = _model()
+        model.compile(keras.optimizers.Adam(1e-3), loss="mse")
+        model.fit(x, y, batch_size=32, verbose=0)
+        rows = fp8.report(model).rows
+        # One NaN in one batch: the skip without a loss scale (on by
+        # default under an FP8 recipe) leaves every weight finite.
+        x[40, 3] = np.nan
+        model.fit(x, y, batch_size=32, verbose=0)
+    finally:
+        keras_mp.set_global_policy("float32")
+    assert {row.format for row in rows} == {"mxfp8"}
+    assert {row.tensor for row in rows} == {"input", "kernel", "output_gradient"}
+    kernel = next(row for row in rows if row.tensor == "kernel")
+    # The E8M0 scale of the block holding the amax: amax / scale <= 448.
+    assert kernel.amax_high / kernel.scale <= 448 * 2
+    assert int(to_numpy(model.optimizer.skipped_steps)) == 1
+    for weight in model.weights:
+        assert np.isfinite(to_numpy(weight)).all(), weight.path

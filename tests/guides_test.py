@@ -111,7 +111,7 @@ def test_fp8_guide_tracks_bfloat16_within_a_hundredth_of_a_nat(tmp_path):
         line[:18].strip(): float(line.split()[-1])
         for line in table.splitlines()
         if line.strip().startswith(
-            ("tensorwise", "rowwise", "block", "e4m3", "delayed")
+            ("tensorwise", "rowwise", "block", "e4m3", "delayed", "mxfp8")
         )
     }
     assert set(gaps) == {
@@ -120,6 +120,7 @@ def test_fp8_guide_tracks_bfloat16_within_a_hundredth_of_a_nat(tmp_path):
         "block",
         "e4m3 tensorwise",
         "delayed",
+        "mxfp8",
     }
     assert all(abs(gap) <= 0.01 for gap in gaps.values()), gaps
     # Finer scales confine an outlier channel: fewer values flushed to 0.

@@ -46,7 +46,7 @@ _TWO_TO_MINUS_127 = 0x00400000
 def _view(x, dtype):
     """`keras.ops.view` between 4-byte dtypes, also for a last dimension
     unknown while tracing (where Keras 3.15's TensorFlow `view` fails)."""
-    if x.shape and x.shape[-1] is None:
+    if len(x.shape) and x.shape[-1] is None:
         flat = ops.view(ops.reshape(x, (-1, 1)), dtype)
         return ops.reshape(flat, ops.shape(x))
     return ops.view(x, dtype)

@@ -3,8 +3,8 @@
 Reads each layer's statistics carrier (`stats.py`; one host read, at report
 time) and turns it into rows: per layer and tensor (input, kernel, output
 gradient), the format, the amax as its histogram bin's range, the exact
-scale that amax gets, and the fractions of values saturated and flushed to
-zero.
+scale that amax gets (for MXFP8: the E8M0 scale of the block holding it),
+and the fractions of values saturated and flushed to zero.
 
 Imports only `keras_mp._keras_internals` and its `keras_mp.fp8` siblings.
 """
@@ -15,6 +15,7 @@ import keras
 import numpy as np
 
 from keras_mp import _keras_internals
+from keras_mp.fp8 import mxfp8
 from keras_mp.fp8 import stats as stats_module
 from keras_mp.fp8.codes import scale_from_amax
 
@@ -127,20 +128,27 @@ def _recipe(layer):
     return getattr(policy, "fp8", None)
 
 
+def _scale(amax, fmt, recipe):
+    """The scale `amax` gets: a tensor's, or its MX block's E8M0 scale."""
+    if recipe.scale_rounding is not None:
+        code = mxfp8.e8m0_from_amax(np.float32(amax), recipe.scale_rounding)
+        scale = mxfp8.scale_values(code)
+    else:
+        scale = scale_from_amax(amax, fmt, recipe.margin)
+    return float(keras.ops.convert_to_numpy(scale))
+
+
 def _layer_rows(path, recipe, values):
     rows = []
     formats = (recipe.forward_format,) * 2 + (recipe.backward_format,)
+    if recipe.scale_rounding is not None:
+        formats = (recipe.formats,) * 3
     for tensor, fmt, row in zip(stats_module.TENSORS, formats, values):
         count = int(row[stats_module.COUNT])
         bins = np.flatnonzero(row[: stats_module.HISTOGRAM_BINS])
         low = stats_module.bin_range(bins[0])[0]
         high = stats_module.bin_range(bins[-1])[1]
         amax = stats_module.bin_amax(bins[-1])
-        scale = float(
-            keras.ops.convert_to_numpy(
-                scale_from_amax(amax, fmt, recipe.margin)
-            )
-        )
         rows.append(
             ReportRow(
                 layer=path,
@@ -148,7 +156,7 @@ def _layer_rows(path, recipe, values):
                 format=fmt,
                 amax_low=low,
                 amax_high=high,
-                scale=scale,
+                scale=_scale(amax, fmt, recipe),
                 saturated=float(row[stats_module.SATURATED]) / max(count, 1),
                 flushed=float(row[stats_module.FLUSHED]) / max(count, 1),
                 count=count,

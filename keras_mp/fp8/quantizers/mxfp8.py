@@ -66,7 +66,7 @@ class Mxfp8(Quantizer):
         codes, scale = mxfp8.quantize(t, axis, self.scale_rounding)
         values = mxfp8.dequantize(codes, scale, axis)
         if call.rows is not None and name not in call.rows:
-            shape = list(t.shape)
+            shape = list(ops.shape(t))
             shape[axis : axis + 1] = [-1, mxfp8.BLOCK]
             scales = ops.expand_dims(mxfp8.scale_values(scale), axis + 1)
             call.observe(name, ops.reshape(t, shape), scales, fmt)
