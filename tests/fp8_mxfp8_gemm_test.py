@@ -254,7 +254,11 @@ def test_report_names_the_format_and_a_nonfinite_batch_is_skipped():
     finally:
         keras_mp.set_global_policy("float32")
     assert {row.format for row in rows} == {"mxfp8"}
-    assert {row.tensor for row in rows} == {"input", "kernel", "output_gradient"}
+    assert {row.tensor for row in rows} == {
+        "input",
+        "kernel",
+        "output_gradient",
+    }
     kernel = next(row for row in rows if row.tensor == "kernel")
     # The E8M0 scale of the block holding the amax: amax / scale <= 448.
     assert kernel.amax_high / kernel.scale <= 448 * 2
