@@ -20,8 +20,10 @@ from keras_mp import fp8
 from keras_mp import fp8_layers
 from keras_mp import policy as policy_module
 from keras_mp.fp8 import delayed as delayed_module
+from keras_mp.fp8 import mxfp8
 from keras_mp.fp8 import stats as stats_module
 from keras_mp.fp8.codes import scale_from_amax
+from keras_mp.fp8.einsum import kernel_matrix
 from keras_mp.policy import Policy
 
 
@@ -96,6 +98,38 @@ def _drop_lora(layer):
         layer.lora_rank = None
 
 
+def _freeze_mx(layer, recipe, kernel):
+    """An MXFP8 layer frozen: its kernel as its GEMM's `[K, N]` matrix,
+    E4M3 codes and E8M0 scales in blocks of 32 along K (the forward
+    GEMM's blocks, so the frozen GEMM multiplies the values training's
+    forward did)."""
+    if isinstance(layer, keras.layers.EinsumDense):
+        permutation, k, n = kernel_matrix(layer.equation, kernel.shape)
+        kernel = np.transpose(kernel, permutation).reshape(k, n)
+    codes, scale = mxfp8.quantize(
+        kernel, axis=0, scale_rounding=recipe.scale_rounding
+    )
+    # As bit patterns: not every backend converts FP8 tensors to NumPy.
+    values = keras.ops.convert_to_numpy(keras.ops.cast(codes, "float32"))
+    codes = values.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    _drop_lora(layer)
+    policy = Policy(
+        policy_module.layer_policy(layer).name,
+        loss_scale=None,
+        fp8=fp8.Recipe(
+            scaling="static",
+            formats=recipe.formats,
+            scale_rounding=recipe.scale_rounding,
+        ),
+    )
+    _keras_internals.replace_layer_policy(layer, policy)
+    fp8_layers.sync_stats_carrier(layer)
+    state = fp8_layers.static_state(layer)
+    state["fp8_kernel_codes"].assign(codes)
+    state["fp8_kernel_scale"].assign(keras.ops.convert_to_numpy(scale))
+    layer.trainable = False
+
+
 def freeze(model, calibration_data=None):
     """Makes a trained FP8 model an inference model, in place.
 
@@ -104,7 +138,11 @@ def freeze(model, calibration_data=None):
     update merged in first, is stored as FP8 E4M3 codes (a uint8 variable,
     `fp8_kernel_codes`: half of a bfloat16 kernel's bytes) and its
     power-of-two scale (`fp8_kernel_scale`); its input scale
-    (`fp8_input_scale`) is fixed; its float32 kernel, statistics carrier
+    (`fp8_input_scale`) is fixed. An MXFP8 layer
+    (`Recipe(formats="mxfp8")`) stores the codes of its GEMM's `[K, N]`
+    kernel and their E8M0 block scales along K (uint8, `[K / 32, N]`:
+    1.03 bytes a weight) and scales each call's input by its own blocks,
+    as in training, so it needs no input scale; its float32 kernel, statistics carrier
     and delayed state are removed. A frozen layer runs the FP8 GEMM it
     trained with, forward only, and raises if called with
     `training=True`. The model saves and reloads (`.keras`,
@@ -154,9 +192,11 @@ def freeze(model, calibration_data=None):
             f"Layers {frozen} are frozen already. Received: model="
             f"{model.name!r}. Freeze the trained model once."
         )
+    # MXFP8 scales each call's input by its own blocks: no input scale.
     scales = {
         layer: _input_scale(layer, fp8_layers.layer_recipe(layer))
         for layer in layers
+        if fp8_layers.layer_recipe(layer).scale_rounding is None
     }
     missing = [layer for layer, scale in scales.items() if scale is None]
     if missing and calibration_data is None:
@@ -174,6 +214,9 @@ def freeze(model, calibration_data=None):
     for layer in layers:
         recipe = fp8_layers.layer_recipe(layer)
         kernel = _merged_kernel(layer)
+        if recipe.scale_rounding is not None:
+            _freeze_mx(layer, recipe, kernel)
+            continue
         kernel_scale = _scale(np.max(np.abs(kernel)), recipe.margin)
         # The codes `fp8.quantize` gives (clip, then round to nearest even),
         # as bit patterns: not every backend converts FP8 tensors to NumPy.

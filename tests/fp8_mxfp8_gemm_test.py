@@ -8,6 +8,8 @@ of the oracle's dequantized operands (`fp8_reference.mx_quantize`), the
 definition of an MXFP8 GEMM on a CPU.
 """
 
+import math
+
 import keras
 import numpy as np
 import pytest
@@ -265,3 +267,55 @@ def test_report_names_the_format_and_a_nonfinite_batch_is_skipped():
     assert int(to_numpy(model.optimizer.skipped_steps)) == 1
     for weight in model.weights:
         assert np.isfinite(to_numpy(weight)).all(), weight.path
+
+
+def _weight_bytes(layer):
+    return sum(
+        math.prod(v.shape)
+        * np.dtype(keras.backend.standardize_dtype(v.dtype)).itemsize
+        for v in layer.weights
+        if v is not getattr(layer, "bias", None)
+    )
+
+
+@pytest.mark.parametrize("kind", ["dense", "einsum"])
+def test_freeze_stores_codes_and_e8m0_scales_and_predicts_the_same(
+    kind, tmp_path
+):
+    keras_mp.set_global_policy("mixed_bfloat16", fp8=RECIPES["floor"])
+    try:
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8, 64))
+        if kind == "dense":
+            hidden = keras.layers.Dense(96, activation="relu")(inputs)
+        else:
+            hidden = keras.layers.EinsumDense(
+                "abc,cde->abde", (8, 3, 32), bias_axes="de", activation="relu"
+            )(inputs)
+            hidden = keras.layers.Reshape((8, 96))(hidden)
+        model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
+        x = np.random.default_rng(0).normal(size=(16, 8, 64)).astype("float32")
+        model.compile(keras.optimizers.Adam(1e-2), loss="mse")
+        model.fit(x, x[..., :4], batch_size=8, epochs=2, verbose=0)
+        layer = model.layers[1]
+        float_bytes = _weight_bytes(layer)
+        before = to_numpy(model.predict(x, verbose=0))
+        fp8.freeze(model)
+    finally:
+        keras_mp.set_global_policy("float32")
+    assert layer.dtype_policy.fp8.scaling == "static"
+    state = {v.name: v for v in layer.weights}
+    assert set(state) >= {"fp8_kernel_codes", "fp8_kernel_scale"}
+    assert "fp8_input_scale" not in state
+    # 64 x 96 weights: one byte each, and one E8M0 byte per 32 of them.
+    assert tuple(state["fp8_kernel_scale"].shape) == (2, 96)
+    assert _weight_bytes(layer) / (64 * 96) == 1 + 1 / 32
+    assert float_bytes / (64 * 96) == 4
+    after = to_numpy(model.predict(x, verbose=0))
+    np.testing.assert_array_equal(after, before)
+    path = tmp_path / "frozen.keras"
+    model.save(path)
+    restored = keras.saving.load_model(path)
+    np.testing.assert_array_equal(
+        to_numpy(restored.predict(x, verbose=0)), before
+    )

@@ -75,6 +75,29 @@ def _plan(equation, x_ndim, kernel_ndim):
     return x_spec, kernel_spec, output, contracted, x_free, kernel_free
 
 
+def kernel_matrix(equation, kernel_shape, x_ndim=None):
+    """How `einsum` sees a kernel of `kernel_shape` as its `[K, N]` matrix:
+    `(permutation, K, N)`, the kernel transposed by `permutation` (its
+    contracted axes first) and reshaped to `(K, N)`.
+
+    Args:
+        equation: An einsum equation as `einsum` takes it.
+        kernel_shape: The kernel's static shape.
+        x_ndim: The number of axes of `x` (needed where it starts with
+            `...`). Defaults to `None`: as many as its letters.
+    """
+    x_spec = equation.replace(" ", "").split(",")[0]
+    if x_ndim is None:
+        x_ndim = len(x_spec.replace("...", ""))
+    x_spec, kernel_spec, _, contracted, _, kernel_free = _plan(
+        equation, x_ndim, len(kernel_shape)
+    )
+    sizes = dict(zip(kernel_spec, kernel_shape))
+    permutation = [kernel_spec.index(c) for c in contracted + kernel_free]
+    k = math.prod(sizes[c] for c in contracted)
+    return permutation, k, math.prod(sizes[c] for c in kernel_free)
+
+
 def einsum(
     equation,
     x,
@@ -124,12 +147,9 @@ def einsum(
         equation, len(x.shape), len(kernel.shape)
     )
     sizes = dict(zip(kernel_spec, kernel.shape))
-    k = math.prod(sizes[c] for c in contracted)
     free_sizes = [sizes[c] for c in kernel_free]
-    kernel = ops.transpose(
-        kernel, [kernel_spec.index(c) for c in contracted + kernel_free]
-    )
-    kernel = ops.reshape(kernel, (k, math.prod(free_sizes)))
+    permutation, k, n = kernel_matrix(equation, kernel.shape, len(x.shape))
+    kernel = ops.reshape(ops.transpose(kernel, permutation), (k, n))
     x = ops.transpose(x, [x_spec.index(c) for c in x_free + contracted])
     x_free_shape = tuple(ops.shape(x)[: len(x_free)])
     x = ops.reshape(x, (*x_free_shape, k))

@@ -114,7 +114,7 @@ def _check_mx(formats, granularity, scale_rounding, scaling, margin):
             f"granularity={granularity!r}. Leave `granularity` as None, or "
             'use formats="hybrid" or "e4m3" for other granularities.'
         )
-    if scaling != "current":
+    if scaling == "delayed":
         raise ValueError(
             f"formats={formats!r} takes each block's scale from this "
             "step's values (current scaling): its scales are one per 32 "
@@ -153,7 +153,9 @@ class Recipe:
             see `keras_mp/fp8/delayed.py`). `"static"` is what
             `keras_mp.fp8.freeze` gives a layer for inference: a fixed
             input scale and the kernel stored as FP8 codes and its scale
-            (tensorwise only). Defaults to `"current"`.
+            (tensorwise; with `formats="mxfp8"`, the kernel's codes and
+            E8M0 block scales, and the input's scales from each call).
+            Defaults to `"current"`.
         granularity: How many values share a scale. `"tensorwise"`: one
             per tensor. `"rowwise"`: one per row of the contracted
             dimension (per token for activations and gradients, per output
@@ -236,7 +238,11 @@ class Recipe:
             )
         self._stats = stats
         self._scale_rounding = scale_rounding
-        if scaling != "current" and granularity != "tensorwise":
+        if (
+            scaling != "current"
+            and granularity != "tensorwise"
+            and formats not in MX_FORMATS
+        ):
             raise ValueError(
                 f"{scaling.capitalize()} scaling keeps one scale per tensor "
                 "(one amax history, as Transformer Engine's delayed "

@@ -170,7 +170,11 @@ def check_layer(layer, recipe):
             "`keras_mp.precision_rules`, or use `keras_mp.set_global_policy("
             "policy, fp8=recipe)`, whose rules pick the layers."
         )
-    if recipe.granularity not in ("block", "microblock") or not layer.built:
+    if (
+        recipe.granularity not in ("block", "microblock")
+        or recipe.scaling == "static"
+        or not layer.built
+    ):
         return
     dims = gemm_dims(layer)
     multiple = DEFAULT_RULES.required_multiple(recipe)

@@ -13,7 +13,9 @@ import numpy as np
 from keras_mp import fp8
 from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.fp8 import delayed as delayed_module
+from keras_mp.fp8 import mxfp8
 from keras_mp.fp8 import rules as rules_module
+from keras_mp.fp8.einsum import kernel_matrix
 from keras_mp.fp8_layers import lora
 from keras_mp.fp8_layers.decisions import layer_recipe
 from keras_mp.fp8_layers.state import delayed_scaling
@@ -39,6 +41,8 @@ def _static_output(layer, recipe, inputs, training, equation=None):
             "`predict` or `model(x)`."
         )
     state = static_state(layer)
+    if recipe.scale_rounding is not None:
+        return _static_mx_output(layer, recipe, inputs, state, equation)
     ops = keras.ops
     codes = ops.cast(stored(state["fp8_kernel_codes"]), "int32")
     kernel_scale = stored(state["fp8_kernel_scale"])
@@ -59,6 +63,35 @@ def _static_output(layer, recipe, inputs, training, equation=None):
         delayed=scaling,
     )
     return _gemm(equation, inputs, kernel, **kwargs)
+
+
+def _static_mx_output(layer, recipe, inputs, state, equation):
+    """A frozen MXFP8 layer's GEMM: its stored codes and E8M0 scales
+    dequantized to the kernel, whose quantization along K gives back the
+    same values, and the input quantized by the call, as in training."""
+    ops = keras.ops
+    codes = ops.take(
+        _E4M3_VALUES, ops.cast(stored(state["fp8_kernel_codes"]), "int32")
+    )
+    matrix = mxfp8.dequantize(
+        ops.cast(codes, "float8_e4m3fn"), stored(state["fp8_kernel_scale"]), 0
+    )
+    kernel = matrix
+    if equation is not None:
+        shape = layer._keras_mp_fp8_kernel_shape
+        permutation, _, _ = kernel_matrix(equation, shape)
+        kernel = ops.reshape(matrix, [shape[i] for i in permutation])
+        kernel = ops.transpose(kernel, np.argsort(permutation).tolist())
+    current = fp8.Recipe(
+        formats=recipe.formats, scale_rounding=recipe.scale_rounding
+    )
+    return _gemm(
+        equation,
+        inputs,
+        kernel,
+        recipe=current,
+        output_dtype=layer.compute_dtype,
+    )
 
 
 def _gemm(equation, inputs, kernel, **kwargs):

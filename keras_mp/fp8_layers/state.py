@@ -10,7 +10,9 @@ import keras
 
 from keras_mp import _keras_internals
 from keras_mp.fp8 import delayed as delayed_module
+from keras_mp.fp8 import mxfp8
 from keras_mp.fp8 import stats as stats_module
+from keras_mp.fp8.einsum import kernel_matrix
 from keras_mp.fp8_layers.decisions import check_layer
 from keras_mp.fp8_layers.decisions import has_gemm
 from keras_mp.fp8_layers.decisions import layer_recipe
@@ -41,7 +43,7 @@ def sync_stats_carrier(layer):
     delayed = usable and recipe.scaling == "delayed"
     static = usable and recipe.scaling == "static"
     if static and not static_state(layer):
-        _make_static(layer)
+        _make_static(layer, recipe)
     wanted = usable and not static and (recipe.stats or delayed)
     shape = delayed_module.CARRIER_SHAPE if delayed else stats_module.SHAPE
     carrier = stats_module.layer_carrier(layer)
@@ -124,22 +126,40 @@ def _add_delayed_state(layer, history):
     )
 
 
-def _make_static(layer):
+def _make_static(layer, recipe):
     """Gives a layer the state of a static (frozen) recipe, in place of
     its float kernel: the kernel's FP8 E4M3 codes (uint8 bit patterns),
     the kernel's scale and the input's (assigned by `fp8.freeze` or a
-    load)."""
+    load). With `formats="mxfp8"`: the codes of the kernel as its GEMM's
+    `[K, N]` matrix and their E8M0 block scales along K (uint8, `[K / 32,
+    N]`); the input's scales come from each call."""
     if layer._kernel is None:
         return
     shape = tuple(layer._kernel.shape)
+    layer._keras_mp_fp8_kernel_shape = shape
     _keras_internals.untrack_variable(layer, layer._kernel)
     layer._kernel = None
-    specs = {
-        "fp8_kernel_codes": (shape, "uint8", "zeros"),
-        "fp8_kernel_scale": ((), "float32", "ones"),
-        "fp8_input_scale": ((), "float32", "ones"),
-    }
+    if recipe.scale_rounding is not None:
+        k, n = kernel_matrix_shape(layer, shape)
+        specs = {
+            "fp8_kernel_codes": ((k, n), "uint8", "zeros"),
+            "fp8_kernel_scale": ((k // mxfp8.BLOCK, n), "uint8", "zeros"),
+        }
+    else:
+        specs = {
+            "fp8_kernel_codes": (shape, "uint8", "zeros"),
+            "fp8_kernel_scale": ((), "float32", "ones"),
+            "fp8_input_scale": ((), "float32", "ones"),
+        }
     _add_tagged_state(layer, _STATIC_TAG, specs)
+
+
+def kernel_matrix_shape(layer, shape):
+    """`(K, N)`: the kernel of `shape` as its layer's GEMM multiplies it."""
+    if isinstance(layer, keras.layers.EinsumDense):
+        _, k, n = kernel_matrix(layer.equation, shape)
+        return k, n
+    return shape[0], shape[-1]
 
 
 def static_state(layer):
