@@ -452,18 +452,14 @@ def nv_rounding_bits(t, role):
     """The stochastic rounding bits of NVFP4's backward GEMMs, keras_mp's
     rule (`keras_mp/fp8/quantizers/nvfp4.py::rounding_bits`) in uint32:
     `v` the bits of float32 `t` (subnormals as signed zero), `key =
-    hash(max(v) ^ hash(min(v) + c))` over the int32 values of `v`, and
+    hash(sum(hash(v)) + c)` with the sum modulo 2**32, and
     `hash(v[i] ^ hash(i + key))` for element `i` in row-major order."""
     t = np.asarray(t, np.float32)
     t = np.where(np.abs(t) < np.finfo(np.float32).tiny, t * _F32(0), t)
-    signed = t.view(np.int32)
-    v = signed.view(np.uint32)
+    v = t.view(np.uint32)
     with np.errstate(over="ignore"):
-        low = _lowbias32(
-            np.int32(signed.min()).view(np.uint32)
-            + np.uint32(NV_ROLE_KEYS[role])
-        )
-        key = _lowbias32(np.int32(signed.max()).view(np.uint32) ^ low)
+        total = np.uint32(_lowbias32(v).astype(np.uint64).sum() % 2**32)
+        key = _lowbias32(total + np.uint32(NV_ROLE_KEYS[role]))
         index = np.arange(t.size, dtype=np.uint32).reshape(t.shape)
         bits = _lowbias32(v ^ _lowbias32(index + key))
     return bits.view(np.int32)

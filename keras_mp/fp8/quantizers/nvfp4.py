@@ -67,13 +67,15 @@ def rounding_bits(t, role):
     """The random bits with which `role` rounds the 2-D float32 `t`.
 
     Stateless and the same on every backend: with `v` the int32 bits of
-    `t` (subnormals as zero), `key = hash(max(v) ^ hash(min(v) + c))`
-    (`c`: `ROLE_KEYS[role]`), and element `i` (row-major) gets
-    `hash(v[i] ^ hash(i + key))`, `hash` the `lowbias32` integer hash of
-    `keras_mp._random_bits` with wrapping int32 arithmetic. A new step's
-    gradient is a new tensor, so it draws new bits; the same tensor draws
-    the same bits, on every backend and every run. `nvfp4.quantize` uses
-    the low 8 bits of each.
+    `t` (subnormals as zero), `key = hash(sum(hash(v)) + c)`, the sum over
+    every element wrapping in 32 bits (the same in any order, so on every
+    backend), `c` the role's constant (`ROLE_KEYS`); element `i`
+    (row-major) gets `hash(v[i] ^ hash(i + key))`, `hash` the `lowbias32`
+    integer hash of `keras_mp._random_bits` with wrapping int32
+    arithmetic. Any change to the tensor (another step's gradient) changes
+    the key and so every element's bits; the same tensor draws the same
+    bits on every backend and every run. `nvfp4.quantize` uses the low 8
+    bits of each.
 
     Args:
         t: The float32 `[rows, columns]` tensor about to be quantized
@@ -85,8 +87,10 @@ def rounding_bits(t, role):
     """
     hash32 = _random_bits.hash32
     v = ops.view(_flush(ops.cast(t, "float32")), "int32")
-    low = hash32(ops.add(ops.min(v), ROLE_KEYS[role]))
-    key = hash32(ops.bitwise_xor(ops.max(v), low))
+    # JAX and TensorFlow sum int32 wrapping; PyTorch sums it in int64,
+    # whose cast to int32 keeps the low 32 bits: the same wrapped sum.
+    total = ops.cast(ops.sum(hash32(v)), "int32")
+    key = hash32(ops.add(total, ROLE_KEYS[role]))
     columns = t.shape[1]
     rows = ops.arange(ops.shape(t)[0], dtype="int32")
     index = ops.add(
