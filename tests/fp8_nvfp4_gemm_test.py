@@ -294,3 +294,47 @@ def test_fit_trains_the_rules_layers_in_nvfp4_and_reloads_them(tmp_path):
         to_numpy(restored.predict(x, verbose=0)),
         to_numpy(model.predict(x, verbose=0)),
     )
+
+
+def test_a_keras_hub_decoder_keeps_its_first_and_last_blocks_and_trains():
+    keras_hub = pytest.importorskip("keras_hub")
+    keras_mp.set_global_policy("mixed_bfloat16", fp8=RECIPE)
+    try:
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=64,
+            num_layers=3,
+            num_heads=2,
+            hidden_dim=32,
+            intermediate_dim=64,
+            max_sequence_length=16,
+        )
+        columns = {
+            row["layer"]: row["fp8"]
+            for row in keras_mp.explain_precision(backbone, print_fn=None)
+            if row["class_name"] in ("Dense", "EinsumDense")
+        }
+        model = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, 64, (8, 16))
+        x = {"token_ids": tokens, "padding_mask": np.ones((8, 16), bool)}
+        model.compile(
+            keras.optimizers.Adam(1e-2),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        history = model.fit(
+            x, tokens, batch_size=8, epochs=20, shuffle=False, verbose=0
+        )
+    finally:
+        keras_mp.set_global_policy("float32")
+    for layer, column in columns.items():
+        block = layer.split("/")[0]
+        expected = {
+            "transformer_layer_0": "nvfp4: first block kept in bfloat16",
+            "transformer_layer_1": "current/nvfp4/nvfp4",
+            "transformer_layer_2": "nvfp4: last block kept in bfloat16",
+        }[block]
+        assert column == expected, layer
+    assert len(columns) == 18
+    losses = history.history["loss"]
+    assert losses[-1] < losses[0]

@@ -159,9 +159,18 @@ class Nvfp4(Quantizer):
         return fp8_backend.einsum_float32("mn,kn->mk", vg, vw)
 
     def kernel_gradient(self, call, g):
-        x, g = _pad_rows(call.saved["x"]), _pad_rows(g)
+        k, n = call.saved["w"].shape
+        # `[tokens / 16, 16, columns]`: blocks of 16 tokens along axis 1,
+        # of known size where the token count is not (a TensorFlow graph
+        # of unknown batch size); the same blocks as along axis 0 of the
+        # padded `[tokens, columns]`.
+        x = ops.reshape(_pad_rows(call.saved["x"]), (-1, nvfp4.BLOCK_SIZE, k))
+        g = ops.reshape(_pad_rows(g), (-1, nvfp4.BLOCK_SIZE, n))
         if self.hadamard:
-            x, g = nvfp4.hadamard(x, 0), nvfp4.hadamard(g, 0)
-        vx = values(x, 0)
-        vg = values(g, 0, self._bits(g, "kernel_gradient"))
+            x, g = nvfp4.hadamard(x, 1), nvfp4.hadamard(g, 1)
+        bits = self._bits(ops.reshape(g, (-1, n)), "kernel_gradient")
+        if bits is not None:
+            bits = ops.reshape(bits, ops.shape(g))
+        vx = ops.reshape(values(x, 1), (-1, k))
+        vg = ops.reshape(values(g, 1, bits), (-1, n))
         return fp8_backend.einsum_float32("mk,mn->kn", vx, vg)
