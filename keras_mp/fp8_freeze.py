@@ -182,6 +182,19 @@ def freeze(model, calibration_data=None):
             "it with FP8 first, e.g. under `keras_mp.set_global_policy("
             "'mixed_bfloat16', fp8=True)`."
         )
+    nvfp4 = [
+        layer.name
+        for layer in layers
+        if fp8_layers.layer_recipe(layer).formats == "nvfp4"
+    ]
+    if nvfp4:
+        raise ValueError(
+            "`keras_mp.fp8.freeze` stores E4M3 and MXFP8 kernels; NVFP4 "
+            f"layers cannot be frozen yet. Received: layers {nvfp4} with "
+            "formats='nvfp4'. Keep them as they are for inference (their "
+            "forward GEMM runs NVFP4), or train with formats='mxfp8' to "
+            "freeze."
+        )
     frozen = [
         layer.name
         for layer in layers

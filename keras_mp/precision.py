@@ -504,7 +504,14 @@ def _apply_rules(model):
     rule and no deliberate `dtype=` decide follow it.
     """
     outputs = output_layers(model)
+    # The FP8 rules decide after every layer's policy is settled: NVFP4's
+    # first and last blocks (`fp8_layers.mark_boundaries`) are known once
+    # all of them are. A block is the layer the model holds directly.
+    pending, blocks = [], {}
     for layer, parent in _walk_with_parents(model):
+        blocks[id(layer)] = (
+            layer if parent is model else blocks.get(id(parent), layer)
+        )
         if not hasattr(layer, "_keras_mp_global_policy") or getattr(
             layer, "_keras_mp_rules_decided", False
         ):
@@ -533,6 +540,9 @@ def _apply_rules(model):
         if policy is not layer.dtype_policy:
             _set_policy(layer, fitted_policy(policy, layer))
         layer._keras_mp_precision_rule = described
+        pending.append((layer, blocks[id(layer)], is_output, ruled))
+    fp8_layers.mark_boundaries(pending)
+    for layer, _, is_output, ruled in pending:
         fp8_layers.decide(layer, is_output, ruled=ruled)
         # Once: a second model built on these layers (a feature extractor
         # whose outputs are inner layers) must not change the first one.

@@ -32,6 +32,7 @@ _ALLOWED = {
     "keras_mp.fp8": (
         "keras_mp._config",
         "keras_mp._keras_internals",
+        "keras_mp._random_bits",
         "keras_mp.backend",
     ),
     "keras_mp.optimizers": (

@@ -15,11 +15,12 @@ from keras_mp.fp8.codes import FORMATS
 from keras_mp.fp8.codes import check_float
 from keras_mp.fp8.recipe import GRANULARITIES
 from keras_mp.fp8.recipe import MX_FORMATS
+from keras_mp.fp8.recipe import NV_FORMATS
 from keras_mp.fp8.recipe import SCALE_ROUNDINGS
 from keras_mp.fp8.recipe import check_choice
 
 # The dtype of the codes of the formats `codes.FORMATS` does not hold.
-_CODE_DTYPES = {"mxfp8": "float8_e4m3fn"}
+_CODE_DTYPES = {"mxfp8": "float8_e4m3fn", "nvfp4": "uint8"}
 
 
 def quantize(
@@ -51,16 +52,21 @@ def quantize(
             (`float8_e5m2`, largest value 57344), or `"mxfp8"` (OCP
             MXFP8: E4M3 codes in blocks of 32 along `axis`, each block's
             scale an E8M0 code, `uint8`, of shape `x.shape` with `axis`
-            divided by 32; see `keras_mp/fp8/mxfp8.py`). Defaults to
-            `"e4m3"`.
+            divided by 32; see `keras_mp/fp8/mxfp8.py`), or `"nvfp4"`
+            (NVIDIA's NVFP4: uint8 E2M1 codes, one a byte, in blocks of 16
+            along `axis`, or in 16x16 tiles with `block_shape=(16, 16)`,
+            and as the scale the pair `(block_scale, tensor_scale)`: E4M3
+            block scales and the float32 tensor scale; see
+            `keras_mp/fp8/nvfp4.py`). Defaults to `"e4m3"`.
         granularity: `"tensorwise"` (one scale, shape `()`), `"rowwise"`
             (one scale per slice along `axis`: the amax is reduced over
             `axis`, which stays as a size-1 dimension), or `"block"`
             (one scale per tile of `BLOCK_SIZE = 128` consecutive values
             along `axis`, DeepSeek-V3's 1x128 tiles of activations and
             gradients: the scale has `x`'s shape with `axis` divided by
-            128). With `fmt="mxfp8"`: `"microblock"`, its own. Defaults
-            to `None`: `"microblock"` for `"mxfp8"`, else `"tensorwise"`.
+            128). With `fmt="mxfp8"`: `"microblock"`, its own; with
+            `fmt="nvfp4"`: `"nvfp4"`, its own. Defaults to `None`: the
+            format's own for `"mxfp8"` and `"nvfp4"`, else `"tensorwise"`.
         scale: Scales to use instead of computing them from `x` (e.g.
             the delayed scales of a layer), in the shape this function
             returns for `granularity`. Defaults to `None`.
@@ -70,8 +76,10 @@ def quantize(
         block_shape: With `granularity="block"` and a 2-D `x`, tiles of
             this shape instead: `(128, 128)` gives DeepSeek-V3's kernel
             tiles, and a scale of shape
-            `(rows / 128, columns / 128)`; `axis` is then unused.
-            Defaults to `None` (1x128 tiles along `axis`).
+            `(rows / 128, columns / 128)`; `axis` is then unused. With
+            `fmt="nvfp4"`, `(16, 16)` gives its kernel tiles.
+            Defaults to `None` (1x128 tiles along `axis`; 1x16 for
+            `"nvfp4"`).
         scale_rounding: With `fmt="mxfp8"`, `"rceil"` (the power of two
             at or above `amax / 448`) or `"floor"` (OCP's rule). Defaults
             to `None`: `"rceil"`.
@@ -81,7 +89,9 @@ def quantize(
         float32 scale with `x ≈ codes * scale`, broadcasting for
         `"tensorwise"` and `"rowwise"`; for `"block"`, each scale repeated
         over its tile (`keras.ops.repeat(scale, 128, axis)`, or along both
-        axes with `block_shape`).
+        axes with `block_shape`); for `"nvfp4"`, uint8 codes and the pair
+        `(block_scale, tensor_scale)` (`x ≈ value(codes) * block_scale /
+        tensor_scale`).
 
     Example:
 
@@ -92,7 +102,9 @@ def quantize(
     [2.0, -12.0, 384.0]
     """
     quantizer, granularity = _check(fmt, granularity, block_shape)
-    if fmt in MX_FORMATS:
+    if fmt in NV_FORMATS:
+        _check_given_scale(fmt, scale, margin, scale_rounding)
+    elif fmt in MX_FORMATS:
         _check_mx_arguments(fmt, scale, margin, scale_rounding)
         quantizer = quantizers.mx(scale_rounding or "rceil")
     elif scale_rounding is not None:
@@ -155,8 +167,17 @@ def dequantize(
             f"of dtype {dtype}. Pass the codes `keras_mp.fp8.quantize` "
             "returned, with the `fmt` they were quantized in."
         )
-    scale = ops.convert_to_tensor(scale)
-    if fmt not in MX_FORMATS:
+    if fmt in NV_FORMATS:
+        if not isinstance(scale, (tuple, list)) or len(scale) != 2:
+            raise ValueError(
+                f"The scale of fmt={fmt!r} is the pair `(block_scale, "
+                "tensor_scale)` that `keras_mp.fp8.quantize` returned. "
+                f"Received: scale={scale!r}"
+            )
+        scale = tuple(ops.convert_to_tensor(s) for s in scale)
+    else:
+        scale = ops.convert_to_tensor(scale)
+    if fmt not in (*MX_FORMATS, *NV_FORMATS):
         scale = ops.cast(scale, "float32")
     axis = _check_axis(axis, codes, granularity, block_shape)
     return quantizer.dequantize(codes, scale, axis, block_shape)
@@ -165,7 +186,23 @@ def dequantize(
 def _check(fmt, granularity, block_shape):
     """The quantizer of `fmt` at `granularity` (None: the format's
     default), and that granularity."""
-    check_choice("fmt", fmt, (*FORMATS, *MX_FORMATS))
+    check_choice("fmt", fmt, (*FORMATS, *MX_FORMATS, *NV_FORMATS))
+    if fmt in NV_FORMATS:
+        own = NV_FORMATS[fmt]
+        if granularity not in (None, own) or block_shape not in (
+            None,
+            (16, 16),
+            [16, 16],
+        ):
+            raise ValueError(
+                f"fmt={fmt!r} scales blocks of 16 values along `axis`, or "
+                "16x16 tiles of a 2-D tensor with `block_shape=(16, 16)` "
+                f"(granularity={own!r}). Received: granularity="
+                f"{granularity!r}, block_shape={block_shape!r}. Leave "
+                "`granularity` as None and pass `block_shape` as None or "
+                "(16, 16)."
+            )
+        return quantizers.nv(), own
     if fmt in MX_FORMATS:
         own = MX_FORMATS[fmt]
         if granularity not in (None, own) or block_shape is not None:
@@ -186,6 +223,19 @@ def _check(fmt, granularity, block_shape):
             'Pass granularity="block", or leave `block_shape` as None.'
         )
     return quantizers.BY_GRANULARITY[granularity], granularity
+
+
+def _check_given_scale(fmt, scale, margin, scale_rounding):
+    if scale is not None or margin != 0 or scale_rounding is not None:
+        raise ValueError(
+            f"fmt={fmt!r} takes its tensor scale from the amax of `x` and "
+            "each block's E4M3 scale from its own amax: no given scale, no "
+            "margin, no scale rounding. Received: "
+            f"scale={'a tensor' if scale is not None else None}, "
+            f"margin={margin!r}, scale_rounding={scale_rounding!r}. Leave "
+            "them as None, 0 and None (or call `keras_mp.fp8.nvfp4."
+            "quantize` with `tensor_amax`)."
+        )
 
 
 def _check_mx_arguments(fmt, scale, margin, scale_rounding):

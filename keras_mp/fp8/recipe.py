@@ -15,7 +15,7 @@ from keras_mp import _config
 
 SCALINGS = ("current", "delayed", "static")
 GRANULARITIES = ("tensorwise", "rowwise", "block")
-FORMATS = ("hybrid", "e4m3", "mxfp8")
+FORMATS = ("hybrid", "e4m3", "mxfp8", "nvfp4")
 # The formats whose blocks and scales are their own (OCP MX: 32 values
 # along each GEMM's contracted axis share an E8M0 scale), by granularity.
 MX_FORMATS = {"mxfp8": "microblock"}
@@ -24,6 +24,11 @@ MX_FORMATS = {"mxfp8": "microblock"}
 # or "floor" (the OCP specification's rule, which may clip the block's
 # largest values to 448).
 SCALE_ROUNDINGS = ("rceil", "floor")
+# NVFP4's blocks and scales are its own too: E2M1 values in blocks of 16
+# along each GEMM's contracted axis (the kernel in 16x16 tiles), each block
+# with an E4M3 scale, and a float32 scale per tensor
+# (`keras_mp/fp8/nvfp4.py`).
+NV_FORMATS = {"nvfp4": "nvfp4"}
 AMAX_ALGOS = ("max", "most_recent")
 
 # DeepSeek-V3's tiles: 1x128 for activations and gradients, 128x128 for
@@ -40,6 +45,8 @@ FIELDS = (
     "amax_algo",
     "stats",
     "scale_rounding",
+    "stochastic_rounding",
+    "hadamard",
 )
 
 # Names other FP8 libraries give these fields (Transformer Engine's
@@ -134,6 +141,62 @@ def _check_mx(formats, granularity, scale_rounding, scaling, margin):
     return own, scale_rounding
 
 
+def _check_nv(formats, granularity, scaling, margin, stats, options):
+    """The granularity, stochastic rounding and Hadamard transform a
+    recipe of `formats` takes, or a ValueError naming the fix."""
+    if formats not in NV_FORMATS:
+        for name, value in options.items():
+            if value is not None:
+                raise ValueError(
+                    f"`{name}` is an option of NVFP4's backward GEMMs, so it "
+                    f"goes with formats={list(NV_FORMATS)}. Received: "
+                    f"formats={formats!r}, {name}={value!r}. Leave `{name}` "
+                    'as None, or use formats="nvfp4".'
+                )
+        return granularity, None, None
+    own = NV_FORMATS[formats]
+    if granularity not in (None, own):
+        raise ValueError(
+            f"formats={formats!r} scales blocks of 16 values along each "
+            "GEMM's contracted axis (the kernel in 16x16 tiles; "
+            f"granularity={own!r}). Received: granularity={granularity!r}. "
+            'Leave `granularity` as None, or use formats="hybrid" or "e4m3" '
+            "for other granularities."
+        )
+    if scaling != "current":
+        raise ValueError(
+            f"formats={formats!r} takes its tensor and block scales from "
+            "this step's values (current scaling), with no history. "
+            f'Received: scaling={scaling!r}. Use scaling="current" with '
+            f'formats={formats!r}, or formats="hybrid" for {scaling} '
+            "scaling."
+        )
+    if margin != 0:
+        raise ValueError(
+            f"formats={formats!r} maps each tensor's amax to 448 * 6 (its "
+            "tensor scale) and each block's to its E4M3 scale, with no "
+            f"margin. Received: margin={margin!r}. Leave `margin` as 0."
+        )
+    if stats is True:
+        raise ValueError(
+            f"formats={formats!r} does not count FP8 statistics yet: "
+            "`keras_mp.fp8.report` reads power-of-two E4M3 / E5M2 scales, "
+            "and NVFP4's are E4M3 block scales over a float32 tensor scale. "
+            f"Received: formats={formats!r}, stats=True. Leave `stats` as "
+            'False, or use formats="mxfp8" or "hybrid" to count them.'
+        )
+    resolved = []
+    for name, value in options.items():
+        value = True if value is None else value
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"`{name}` is a bool. Received: {name}={value!r}. Pass "
+                f"`{name}=True` or `{name}=False`."
+            )
+        resolved.append(value)
+    return own, *resolved
+
+
 @keras.saving.register_keras_serializable(package="keras_mp")
 class Recipe:
     """How the GEMMs of a layer run in FP8.
@@ -163,14 +226,23 @@ class Recipe:
             activations and output gradients, 128x128 for kernels; the
             GEMM's dimensions must be multiples of 128. `"microblock"`:
             the MX formats' own, 32 values along each GEMM's contracted
-            axis (given by `formats="mxfp8"`). Defaults to `None`:
-            `"microblock"` for `formats="mxfp8"`, `"tensorwise"` otherwise.
+            axis (given by `formats="mxfp8"`). `"nvfp4"`: NVFP4's own, 16
+            values along each GEMM's contracted axis and 16x16 kernel
+            tiles (given by `formats="nvfp4"`). Defaults to `None`: the
+            format's own for `"mxfp8"` and `"nvfp4"`, `"tensorwise"`
+            otherwise.
         formats: `"hybrid"` (E4M3 for inputs and kernels, E5M2 for output
             gradients, whose range matters more than their precision),
             `"e4m3"` (E4M3 everywhere), or `"mxfp8"` (OCP MXFP8: E4M3
             values in blocks of 32 along each GEMM's contracted axis, each
             block with an E8M0 power-of-two scale, every operand quantized
-            from its high-precision source; current scaling, no margin).
+            from its high-precision source; current scaling, no margin), or
+            `"nvfp4"` (NVIDIA's NVFP4 after Transformer Engine's recipe:
+            E2M1 values in blocks of 16 with E4M3 block scales and a
+            float32 tensor scale; inputs and output gradients in 1x16
+            blocks along each GEMM's contracted axis, the kernel in 16x16
+            tiles that serve both of its GEMMs; current scaling, no margin,
+            no statistics; see `keras_mp/fp8/quantizers/nvfp4.py`).
             Defaults to `"hybrid"`.
         margin: The scale leaves `2**margin` of headroom below the format's
             largest value. Defaults to `0`.
@@ -194,6 +266,20 @@ class Recipe:
             `None`: `"rceil"` for `"mxfp8"`; other formats take no
             rounding (their scales are the power of two at or above
             `amax / fmax`).
+        stochastic_rounding: With `formats="nvfp4"`, whether the output
+            gradient's E2M1 codes round stochastically in both backward
+            GEMMs (Transformer Engine's recipe; the inputs and the kernel
+            always round to nearest even). The random bits are a hash of
+            the rounded tensor itself: no state, the same bits on every
+            backend. Defaults to `None`: `True` for `"nvfp4"`; other
+            formats take no such option.
+        hadamard: With `formats="nvfp4"`, whether the kernel gradient's
+            two operands are rotated by the 16x16 random Hadamard
+            transform along the tokens before they are quantized
+            (Transformer Engine's wgrad RHT: the product is unchanged,
+            each block's outliers spread over 16 values). Defaults to
+            `None`: `True` for `"nvfp4"`; other formats take no such
+            option.
 
     Example:
 
@@ -214,15 +300,34 @@ class Recipe:
         amax_algo="max",
         stats=False,
         scale_rounding=None,
+        stochastic_rounding=None,
+        hadamard=None,
         **kwargs,
     ):
         if kwargs:
             raise ValueError(_unknown_fields_message(kwargs))
         check_choice("scaling", scaling, SCALINGS)
         check_choice("formats", formats, FORMATS)
-        granularity, scale_rounding = _check_mx(
-            formats, granularity, scale_rounding, scaling, margin
+        granularity, stochastic_rounding, hadamard = _check_nv(
+            formats,
+            granularity,
+            scaling,
+            margin,
+            stats,
+            {"stochastic_rounding": stochastic_rounding, "hadamard": hadamard},
         )
+        if formats in NV_FORMATS:
+            if scale_rounding is not None:
+                raise ValueError(
+                    "`scale_rounding` is how an MX block's E8M0 scale is "
+                    f"rounded; formats={formats!r} rounds its E4M3 block "
+                    "scales to nearest even. Received: scale_rounding="
+                    f"{scale_rounding!r}. Leave `scale_rounding` as None."
+                )
+        else:
+            granularity, scale_rounding = _check_mx(
+                formats, granularity, scale_rounding, scaling, margin
+            )
         check_choice("amax_algo", amax_algo, AMAX_ALGOS)
         self._scaling = scaling
         self._granularity = granularity
@@ -238,6 +343,8 @@ class Recipe:
             )
         self._stats = stats
         self._scale_rounding = scale_rounding
+        self._stochastic_rounding = stochastic_rounding
+        self._hadamard = hadamard
         if (
             scaling != "current"
             and granularity != "tensorwise"
@@ -261,15 +368,21 @@ class Recipe:
     amax_algo = property(lambda self: self._amax_algo)
     stats = property(lambda self: self._stats)
     scale_rounding = property(lambda self: self._scale_rounding)
+    stochastic_rounding = property(lambda self: self._stochastic_rounding)
+    hadamard = property(lambda self: self._hadamard)
 
     @property
     def forward_format(self):
-        """The FP8 format of inputs and kernels: always `"e4m3"`."""
-        return "e4m3"
+        """The format of inputs and kernels: `"e4m3"`, or `"e2m1"` for
+        NVFP4."""
+        return "e2m1" if self._formats in NV_FORMATS else "e4m3"
 
     @property
     def backward_format(self):
-        """The FP8 format of output gradients: `"e5m2"` when hybrid."""
+        """The format of output gradients: `"e5m2"` when hybrid, `"e2m1"`
+        for NVFP4."""
+        if self._formats in NV_FORMATS:
+            return "e2m1"
         return "e5m2" if self._formats == "hybrid" else "e4m3"
 
     def get_config(self):
@@ -286,6 +399,11 @@ class Recipe:
         # others stay what earlier versions wrote.
         if self._scale_rounding is not None:
             config["scale_rounding"] = self._scale_rounding
+        # Likewise NVFP4's options, which only it has.
+        if self._stochastic_rounding is not None:
+            config["stochastic_rounding"] = self._stochastic_rounding
+        if self._hadamard is not None:
+            config["hadamard"] = self._hadamard
         return config
 
     @classmethod

@@ -71,6 +71,22 @@ class Rules:
         mx_multiple: The same for `formats="mxfp8"`, whose blocks are 32
             values along each GEMM's contracted axis (K for the forward
             GEMM, N for the input gradient). Defaults to `32`.
+        nvfp4_multiple: The same for `formats="nvfp4"`, whose kernel tiles
+            are 16x16 (16 values along K for the forward GEMM, along N for
+            the input gradient). Defaults to `16`.
+        nvfp4_high_precision_first: Under `formats="nvfp4"`, how many of a
+            model's first blocks keep their GEMMs in the compute dtype
+            (Megatron's `--first-last-layers-bf16`). A block is a layer that
+            a model holds directly (a `Dense` of a `Sequential`, a
+            transformer layer of a keras-hub backbone), counted in the
+            order the model tracks its layers (a functional model's: the
+            order its graph computes them), and only where one of its
+            `Dense` / `EinsumDense` layers (itself or one inside it) would
+            otherwise run NVFP4 (not an output layer, not given a policy
+            by a precision rule, dimensions multiples of `nvfp4_multiple`).
+            Decided once, when the model is built. Defaults to `1`.
+        nvfp4_high_precision_last: The same for the model's last blocks.
+            Defaults to `1`.
 
     Example:
 
@@ -81,27 +97,45 @@ class Rules:
     'dims 10x3 not multiples of 16'
     """
 
-    def __init__(self, multiple=16, block_multiple=128, mx_multiple=32):
-        for name, value in (
-            ("multiple", multiple),
-            ("block_multiple", block_multiple),
-            ("mx_multiple", mx_multiple),
+    def __init__(
+        self,
+        multiple=16,
+        block_multiple=128,
+        mx_multiple=32,
+        nvfp4_multiple=16,
+        nvfp4_high_precision_first=1,
+        nvfp4_high_precision_last=1,
+    ):
+        for name, value, minimum in (
+            ("multiple", multiple, 1),
+            ("block_multiple", block_multiple, 1),
+            ("mx_multiple", mx_multiple, 1),
+            ("nvfp4_multiple", nvfp4_multiple, 1),
+            ("nvfp4_high_precision_first", nvfp4_high_precision_first, 0),
+            ("nvfp4_high_precision_last", nvfp4_high_precision_last, 0),
         ):
             if (
                 isinstance(value, bool)
                 or not isinstance(value, numbers.Integral)
-                or value < 1
+                or value < minimum
             ):
                 raise ValueError(
-                    f"`{name}` is an integer >= 1. Received: {name}={value!r}"
+                    f"`{name}` is an integer >= {minimum}. Received: "
+                    f"{name}={value!r}"
                 )
         self._multiple = int(multiple)
         self._block_multiple = int(block_multiple)
         self._mx_multiple = int(mx_multiple)
+        self._nvfp4_multiple = int(nvfp4_multiple)
+        self._nvfp4_first = int(nvfp4_high_precision_first)
+        self._nvfp4_last = int(nvfp4_high_precision_last)
 
     multiple = property(lambda self: self._multiple)
     block_multiple = property(lambda self: self._block_multiple)
     mx_multiple = property(lambda self: self._mx_multiple)
+    nvfp4_multiple = property(lambda self: self._nvfp4_multiple)
+    nvfp4_high_precision_first = property(lambda self: self._nvfp4_first)
+    nvfp4_high_precision_last = property(lambda self: self._nvfp4_last)
 
     def required_multiple(self, recipe):
         """The multiple a GEMM's dimensions need under `recipe`."""
@@ -109,9 +143,32 @@ class Rules:
             return self._block_multiple
         if recipe.granularity == "microblock":
             return self._mx_multiple
+        if recipe.granularity == "nvfp4":
+            return self._nvfp4_multiple
         return self._multiple
 
-    def skip_reason(self, layer, recipe, is_output=False):
+    def high_precision_blocks(self, recipe, count):
+        """`{index: "first" or "last"}`: which of a model's `count` blocks
+        (those whose GEMMs would run `recipe`, in order) keep their GEMMs
+        in the compute dtype; none but under `formats="nvfp4"`. A block
+        among both the first and the last ones is a first one."""
+        if recipe.formats != "nvfp4":
+            return {}
+        last = range(max(count - self._nvfp4_last, 0), count)
+        positions = {index: "last" for index in last}
+        positions.update(
+            {index: "first" for index in range(min(self._nvfp4_first, count))}
+        )
+        return positions
+
+    def high_precision_reason(self, recipe, position, compute_dtype):
+        """The reason `explain_precision` shows for a GEMM of a first or
+        last block: `"nvfp4: first block kept in bfloat16"`."""
+        count = self._nvfp4_first if position == "first" else self._nvfp4_last
+        blocks = "block" if count == 1 else f"{count} blocks"
+        return f"{recipe.formats}: {position} {blocks} kept in {compute_dtype}"
+
+    def skip_reason(self, layer, recipe, is_output=False, boundary=None):
         """Why these rules give `layer` no FP8 recipe, or None if they do.
 
         Args:
@@ -119,10 +176,14 @@ class Rules:
             recipe: The `Recipe` the rules would give it.
             is_output: Whether the layer produces the model's outputs.
                 Defaults to `False`.
+            boundary: The reason of a GEMM of a first or last block
+                (`high_precision_reason`), where it is in one. Defaults to
+                `None`.
 
         Returns:
             None, or a short reason: `"embedding"`, `"no GEMM"`,
-            `"output layer"`, `"dims 10x3 not multiples of 16"`.
+            `"output layer"`, `"dims 10x3 not multiples of 16"`,
+            `"nvfp4: first block kept in bfloat16"`.
         """
         if isinstance(layer, keras.layers.Embedding):
             return "embedding"
@@ -135,13 +196,16 @@ class Rules:
             multiple = self.required_multiple(recipe)
             if any(size % multiple for size in dims):
                 return f"dims {_dims_text(dims)} not multiples of {multiple}"
-        return None
+        return boundary
 
     def __repr__(self):
         return (
             f"Rules(multiple={self._multiple}, "
             f"block_multiple={self._block_multiple}, "
-            f"mx_multiple={self._mx_multiple})"
+            f"mx_multiple={self._mx_multiple}, "
+            f"nvfp4_multiple={self._nvfp4_multiple}, "
+            f"nvfp4_high_precision_first={self._nvfp4_first}, "
+            f"nvfp4_high_precision_last={self._nvfp4_last})"
         )
 
 
@@ -171,18 +235,18 @@ def check_layer(layer, recipe):
             "policy, fp8=recipe)`, whose rules pick the layers."
         )
     if (
-        recipe.granularity not in ("block", "microblock")
+        recipe.granularity not in ("block", "microblock", "nvfp4")
         or recipe.scaling == "static"
         or not layer.built
     ):
         return
     dims = gemm_dims(layer)
     multiple = DEFAULT_RULES.required_multiple(recipe)
-    blocks = (
-        "128x128 tiles of granularity='block'"
-        if recipe.granularity == "block"
-        else f"blocks of 32 of formats={recipe.formats!r}"
-    )
+    blocks = {
+        "block": "128x128 tiles of granularity='block'",
+        "microblock": f"blocks of 32 of formats={recipe.formats!r}",
+        "nvfp4": f"16x16 tiles of formats={recipe.formats!r}",
+    }[recipe.granularity]
     if any(size % multiple for size in dims):
         raise ValueError(
             f"Layer {layer.name!r} ({name}) has GEMM dimensions "

@@ -54,6 +54,7 @@ from keras_mp.fp8_layers.decisions import decide
 from keras_mp.fp8_layers.decisions import describe
 from keras_mp.fp8_layers.decisions import has_gemm
 from keras_mp.fp8_layers.decisions import layer_recipe
+from keras_mp.fp8_layers.decisions import mark_boundaries
 from keras_mp.fp8_layers.decisions import with_recipe
 from keras_mp.fp8_layers.state import check_model
 from keras_mp.fp8_layers.state import delayed_state
@@ -70,6 +71,7 @@ __all__ = [
     "describe",
     "has_gemm",
     "layer_recipe",
+    "mark_boundaries",
     "static_state",
     "sync_stats_carrier",
     "with_recipe",

@@ -67,10 +67,50 @@ def decide(layer, is_output=None, ruled=False):
             # The map's own recipe for this path: asked for explicitly.
             layer._keras_mp_fp8_rules_recipe = None
             return
-    reason = rules_module.DEFAULT_RULES.skip_reason(layer, recipe, is_output)
+    rules = rules_module.DEFAULT_RULES
+    position = getattr(layer, "_keras_mp_fp8_boundary", None)
+    boundary = None
+    if position is not None:
+        compute = entry.compute_dtype
+        boundary = rules.high_precision_reason(recipe, position, compute)
+    reason = rules.skip_reason(layer, recipe, is_output, boundary)
     layer._keras_mp_fp8_reason = reason
     target = base if reason else with_recipe(entry, recipe)
     _keras_internals.replace_layer_policy(layer, target)
+
+
+def mark_boundaries(entries):
+    """Marks the GEMM layers of a model's first and last blocks, which the
+    default rules keep in the compute dtype under NVFP4
+    (`Rules.high_precision_blocks`); `decide` then gives them the reason.
+
+    Args:
+        entries: `(layer, block, is_output, ruled)` for each layer of the
+            model about to be decided, in the order the model tracks them:
+            `block` the layer the model holds directly that holds it (or
+            it itself), `ruled` whether a precision rule gave it its
+            policy.
+    """
+    rules = rules_module.DEFAULT_RULES
+    blocks, recipes = {}, {}
+    for layer, block, is_output, ruled in entries:
+        recipe = getattr(layer, "_keras_mp_fp8_rules_recipe", None)
+        if (
+            recipe is None
+            or ruled
+            or not rules_module.has_gemm(layer)
+            or rules.skip_reason(layer, recipe, is_output) is not None
+        ):
+            continue
+        blocks.setdefault(id(block), []).append(layer)
+        recipes.setdefault(recipe, []).append(id(block))
+    for recipe, ids in recipes.items():
+        ordered = list(dict.fromkeys(ids))
+        positions = rules.high_precision_blocks(recipe, len(ordered))
+        for index, position in positions.items():
+            for layer in blocks[ordered[index]]:
+                if layer._keras_mp_fp8_rules_recipe == recipe:
+                    layer._keras_mp_fp8_boundary = position
 
 
 def describe(layer, policy):
@@ -84,6 +124,10 @@ def describe(layer, policy):
             text += f" margin={recipe.margin}"
         if recipe.scale_rounding not in (None, "rceil"):
             text += f" scale_rounding={recipe.scale_rounding}"
+        if recipe.stochastic_rounding is False:
+            text += " no stochastic rounding"
+        if recipe.hadamard is False:
+            text += " no hadamard"
         return text + (" +stats" if recipe.stats else "")
     reason = getattr(layer, "_keras_mp_fp8_reason", None)
     if reason is not None:

@@ -432,3 +432,34 @@ def nv_hadamard(x, axis=-1):
         y[..., first], y[..., first + stride] = a + b, a - b
     y = (y * _F32(0.25)).reshape(moved.shape)
     return np.moveaxis(y, -1, axis)
+
+
+def _lowbias32(x):
+    """The `lowbias32` hash of uint32 `x` (`keras_mp/_random_bits.py`)."""
+    x = np.asarray(x, np.uint32)
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint32(16))
+        x = x * np.uint32(0x7FEB352D)
+        x = x ^ (x >> np.uint32(15))
+        x = x * np.uint32(0x846CA68B)
+        return x ^ (x >> np.uint32(16))
+
+
+NV_ROLE_KEYS = {"input_gradient": 1, "kernel_gradient": 2}
+
+
+def nv_rounding_bits(t, role):
+    """The stochastic rounding bits of NVFP4's backward GEMMs, keras_mp's
+    rule (`keras_mp/fp8/quantizers/nvfp4.py::rounding_bits`) in uint32:
+    `v` the bits of float32 `t` (subnormals as signed zero), `key =
+    hash(sum(hash(v)) + c)` with the sum modulo 2**32, and
+    `hash(v[i] ^ hash(i + key))` for element `i` in row-major order."""
+    t = np.asarray(t, np.float32)
+    t = np.where(np.abs(t) < np.finfo(np.float32).tiny, t * _F32(0), t)
+    v = t.view(np.uint32)
+    with np.errstate(over="ignore"):
+        total = np.uint32(_lowbias32(v).astype(np.uint64).sum() % 2**32)
+        key = _lowbias32(total + np.uint32(NV_ROLE_KEYS[role]))
+        index = np.arange(t.size, dtype=np.uint32).reshape(t.shape)
+        bits = _lowbias32(v ^ _lowbias32(index + key))
+    return bits.view(np.int32)

@@ -1,7 +1,8 @@
 """The quantizers `dot` asks per GEMM role: one object per format and
 scale granularity, one file each (`base.py` says what a quantizer is).
 
-Imports only `keras_mp.backend` and its `keras_mp.fp8` siblings.
+Imports only `keras_mp._random_bits`, `keras_mp.backend` and its
+`keras_mp.fp8` siblings.
 """
 
 from keras_mp.fp8.quantizers.base import Call
@@ -10,6 +11,7 @@ from keras_mp.fp8.quantizers.base import Quantizer
 from keras_mp.fp8.quantizers.base import Rows
 from keras_mp.fp8.quantizers.block import Block
 from keras_mp.fp8.quantizers.mxfp8 import Mxfp8
+from keras_mp.fp8.quantizers.nvfp4 import Nvfp4
 from keras_mp.fp8.quantizers.rowwise import Rowwise
 from keras_mp.fp8.quantizers.tensorwise import Tensorwise
 
@@ -17,6 +19,12 @@ from keras_mp.fp8.quantizers.tensorwise import Tensorwise
 BY_GRANULARITY = {q.name: q for q in (Tensorwise(), Rowwise(), Block())}
 # MXFP8, by the rounding of its E8M0 scales.
 _MX = {rounding: Mxfp8(rounding) for rounding in ("rceil", "floor")}
+# NVFP4, by its stochastic rounding and Hadamard transform.
+_NV = {
+    (rounding, hadamard): Nvfp4(rounding, hadamard)
+    for rounding in (True, False)
+    for hadamard in (True, False)
+}
 
 
 def mx(scale_rounding):
@@ -24,8 +32,15 @@ def mx(scale_rounding):
     return _MX[scale_rounding]
 
 
+def nv(stochastic_rounding=True, hadamard=True):
+    """The NVFP4 quantizer with these backward options."""
+    return _NV[(stochastic_rounding, hadamard)]
+
+
 def get(recipe):
     """The quantizer of a recipe's GEMMs."""
+    if recipe.granularity == "nvfp4":
+        return nv(recipe.stochastic_rounding, recipe.hadamard)
     if recipe.granularity == "microblock":
         return mx(recipe.scale_rounding)
     return BY_GRANULARITY[recipe.granularity]
@@ -36,8 +51,10 @@ __all__ = [
     "Call",
     "Dtypes",
     "Mxfp8",
+    "Nvfp4",
     "Quantizer",
     "Rows",
     "get",
     "mx",
+    "nv",
 ]
