@@ -204,6 +204,13 @@ def train(recipe, train_data, eval_data, steps):
 # every operand quantized from its bfloat16 source along the axis its GEMM
 # contracts (Transformer Engine's MXFP8 recipe). Its GEMMs need dimensions
 # that are multiples of 32; the rules keep the others in bfloat16.
+#
+# "nvfp4" is NVFP4 after Transformer Engine's recipe: 4-bit E2M1 values in
+# blocks of 16 with E4M3 block scales over a float32 tensor scale,
+# stochastic rounding of the output gradient and a 16x16 Hadamard rotation
+# of the kernel gradient's operands. Its rules keep the model's first and
+# last blocks in bfloat16, as Megatron does: here the attention and
+# `ffn_out`, so `ffn_in` alone runs NVFP4.
 
 RECIPES = {
     "tensorwise": keras_mp.fp8.Recipe(granularity="tensorwise", stats=True),
@@ -212,6 +219,7 @@ RECIPES = {
     "e4m3 tensorwise": keras_mp.fp8.Recipe(formats="e4m3"),
     "delayed": keras_mp.fp8.Recipe(scaling="delayed"),
     "mxfp8": keras_mp.fp8.Recipe(formats="mxfp8"),
+    "nvfp4": keras_mp.fp8.Recipe(formats="nvfp4"),
 }
 
 

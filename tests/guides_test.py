@@ -111,7 +111,15 @@ def test_fp8_guide_tracks_bfloat16_within_a_hundredth_of_a_nat(tmp_path):
         line[:18].strip(): float(line.split()[-1])
         for line in table.splitlines()
         if line.strip().startswith(
-            ("tensorwise", "rowwise", "block", "e4m3", "delayed", "mxfp8")
+            (
+                "tensorwise",
+                "rowwise",
+                "block",
+                "e4m3",
+                "delayed",
+                "mxfp8",
+                "nvfp4",
+            )
         )
     }
     assert set(gaps) == {
@@ -121,8 +129,13 @@ def test_fp8_guide_tracks_bfloat16_within_a_hundredth_of_a_nat(tmp_path):
         "e4m3 tensorwise",
         "delayed",
         "mxfp8",
+        "nvfp4",
     }
-    assert all(abs(gap) <= 0.01 for gap in gaps.values()), gaps
+    # NVFP4's 4-bit values: within 0.05 nats (issue 33's target).
+    assert all(
+        abs(gap) <= (0.05 if name == "nvfp4" else 0.01)
+        for name, gap in gaps.items()
+    ), gaps
     # Finer scales confine an outlier channel: fewer values flushed to 0.
     outliers = output.split("## 3.")[1].split("## 4.")[0]
     flushed = {
