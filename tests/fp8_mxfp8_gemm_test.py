@@ -319,3 +319,40 @@ def test_freeze_stores_codes_and_e8m0_scales_and_predicts_the_same(
     np.testing.assert_array_equal(
         to_numpy(restored.predict(x, verbose=0)), before
     )
+
+
+def test_a_keras_hub_decoder_trains_its_gemms_in_mxfp8():
+    keras_hub = pytest.importorskip("keras_hub")
+    keras_mp.set_global_policy("mixed_bfloat16", fp8=RECIPES["rceil"])
+    try:
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=64,
+            num_layers=2,
+            num_heads=2,
+            hidden_dim=64,
+            intermediate_dim=128,
+            max_sequence_length=16,
+        )
+        columns = [
+            row["fp8"]
+            for row in keras_mp.explain_precision(backbone, print_fn=None)
+            if row["class_name"] in ("Dense", "EinsumDense")
+        ]
+        model = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+        tokens = np.random.default_rng(0).integers(0, 64, (8, 16))
+        x = {"token_ids": tokens, "padding_mask": np.ones((8, 16), bool)}
+        model.compile(
+            keras.optimizers.Adam(1e-2),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        history = model.fit(
+            x, tokens, batch_size=8, epochs=20, shuffle=False, verbose=0
+        )
+    finally:
+        keras_mp.set_global_policy("float32")
+    # Every attention projection and feed-forward GEMM (dims 64 and 128).
+    assert columns == ["current/microblock/mxfp8"] * len(columns)
+    assert len(columns) == 12
+    losses = history.history["loss"]
+    assert losses[-1] < losses[0]

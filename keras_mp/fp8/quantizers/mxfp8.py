@@ -93,7 +93,15 @@ class Mxfp8(Quantizer):
         vw = self._kernel_values(call, call.saved["w"], 1)
         return fp8_backend.einsum_float32("mn,kn->mk", vg, vw, call.dtypes.dx)
 
+    def _token_values(self, call, name, t):
+        """`t`'s values in blocks of 32 tokens: padded, viewed as `[tiles,
+        32, columns]` (a block axis of known size, also where a traced
+        TensorFlow step's token count is not) and quantized along it."""
+        columns = t.shape[1]
+        tiled = ops.reshape(_pad_rows(t), (-1, mxfp8.BLOCK, columns))
+        return ops.reshape(self._values(call, name, tiled, 1), (-1, columns))
+
     def kernel_gradient(self, call, g):
-        vx = self._values(call, "input", _pad_rows(call.saved["x"]), 0)
-        vg = self._values(call, "output_gradient", _pad_rows(g), 0)
+        vx = self._token_values(call, "input", call.saved["x"])
+        vg = self._token_values(call, "output_gradient", g)
         return fp8_backend.einsum_float32("mk,mn->kn", vx, vg, call.dtypes.dw)
