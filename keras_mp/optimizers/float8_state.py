@@ -25,6 +25,7 @@ oracle. Imports `keras_mp._random_bits`, `keras_mp.backend` and
 import math
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_mp import _random_bits
@@ -141,7 +142,8 @@ def _encode(y, seed):
         ops.cast(rounded * 2.0**9, "int32"),
     )
     code = ops.where(ops.isfinite(y), code, _NAN_CODE)
-    code = ops.where(y < 0, code + _SIGN, code)
+    # The sign bit, as a cast keeps it (-0 and -NaN included).
+    code = ops.where(ops.view(y, "int32") < 0, code + _SIGN, code)
     return ops.cast(code, "uint8")
 
 
@@ -247,3 +249,51 @@ class Float8Slots:
             ops.multiply(m, alpha), ops.add(ops.sqrt(v), optimizer.epsilon)
         )
         optimizer.assign_sub(variable, ops.cast(update, variable.dtype))
+
+
+def quantize_numpy(value):
+    """`quantize` of a NumPy array, to nearest: for checkpoints converted
+    while they load (which may happen while a TensorFlow step is traced,
+    where `keras.ops` would give symbolic tensors)."""
+    import ml_dtypes
+
+    value = np.asarray(value, np.float32)
+    blocks = _numpy_blocks(value)
+    amax = np.max(np.abs(blocks), axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # The power of two at or above amax / 448 (float64 is exact here).
+        mantissa, exponent = np.frexp(amax.astype(np.float64) / E4M3_MAX)
+    exponent = np.where(mantissa == 0.5, exponent - 1, exponent)
+    scales = np.ldexp(1.0, np.clip(exponent, -126, 127)).astype(np.float32)
+    scales = np.where(amax == 0, np.float32(1), scales)
+    scales = np.where(np.isfinite(amax), scales, amax)
+    with np.errstate(invalid="ignore"):
+        y = blocks / scales[:, None]
+    y = np.where(np.isfinite(y), np.clip(y, -E4M3_MAX, E4M3_MAX), np.nan)
+    codes = y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8).reshape(-1)
+    return codes[: value.size].reshape(value.shape), scales
+
+
+def dequantize_numpy(codes, scales):
+    """`dequantize` of NumPy arrays."""
+    import ml_dtypes
+
+    codes = np.asarray(codes, np.uint8)
+    values = _numpy_blocks(codes.view(ml_dtypes.float8_e4m3fn))
+    values = values * np.asarray(scales, np.float32)[:, None]
+    return values.reshape(-1)[: codes.size].reshape(codes.shape)
+
+
+def _numpy_blocks(flat):
+    flat = np.asarray(flat, np.float32).reshape(-1)
+    padded = np.zeros(block_count(flat.size) * BLOCK_SIZE, np.float32)
+    padded[: flat.size] = flat
+    return padded.reshape(-1, BLOCK_SIZE)
+
+
+def is_second_moment(path):
+    """Whether the slot variable at `path` is Adam's second moment (its
+    codes hold the square root), from Keras's slot names."""
+    return any(
+        path.endswith(f"_{name}") for name, root in ADAM_SLOTS.items() if root
+    )

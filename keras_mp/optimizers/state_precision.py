@@ -382,6 +382,76 @@ class StatePrecisionMixin:
             return variables, values[: len(variables)]
         return variables, values
 
+    def _matching_inner_state(self, variables, values):
+        """The inner optimizer's checkpoint `values` for its `variables`,
+        converted where one side has float8 state and the other not.
+
+        float8 state saves two values per slot (uint8 codes, then float32
+        block scales) where other state saves one: a float32, bfloat16 or
+        float16 slot is quantized (to nearest) into codes and scales, codes
+        and scales are decoded into a float32 value (which
+        `checkpointing.py` then converts to a 16-bit slot's dtype). Warns,
+        naming the conversion. Values that fit neither layout are returned
+        as they are (the caller reports the mismatch).
+        """
+        values = [np.asarray(v) for v in values]
+        slots = self._float8_slots
+        if slots is not None:
+            scales = {
+                id(entry[0])
+                for entry in map(slots.scales_of, variables)
+                if entry is not None
+            }
+            if not scales or len(values) != len(variables) - len(scales):
+                return values
+            converted, remaining = [], iter(values)
+            for variable in variables:
+                if id(variable) in scales:
+                    continue
+                value = next(remaining)
+                entry = slots.scales_of(variable)
+                if entry is None:
+                    converted.append(value)
+                    continue
+                if not np.issubdtype(value.dtype, np.floating) and (
+                    value.dtype.name != "bfloat16"
+                ):
+                    return values
+                value = value.astype(np.float32)
+                if entry[1]:
+                    value = np.sqrt(value)
+                converted += list(float8_state.quantize_numpy(value))
+            source = sorted({str(v.dtype) for v in values if v.ndim})
+            what, conversion = len(scales), f"{'/'.join(source)} to float8"
+        else:
+            codes = sum(v.dtype == np.uint8 for v in values)
+            if not codes or len(values) != len(variables) + codes:
+                return values
+            converted, index = [], 0
+            for variable in variables:
+                value = values[index]
+                index += 1
+                if value.dtype == np.uint8:
+                    value = float8_state.dequantize_numpy(value, values[index])
+                    index += 1
+                    if float8_state.is_second_moment(variable.path):
+                        value = value * value
+                converted.append(value)
+            what, conversion = codes, "float8 to float32"
+        warnings.warn(
+            f"Converted {what} optimizer slot(s) from {conversion} while "
+            f"loading the checkpoint of optimizer {self.name!r}: it was "
+            "saved with another `state_dtype` "
+            + (
+                "(float8 codes and block scales are written from the values, "
+                "rounded to nearest)."
+                if slots is not None
+                else "(float8 codes and block scales decoded exactly)."
+            ),
+            stacklevel=5,
+        )
+        return converted
+
     def _to_master_weights(self, grads_and_vars):
         """The pairs the inner optimizer updates: float32 gradients of the
         masters.
