@@ -231,13 +231,18 @@ class Float8Slots:
         m = self._read(variable, "momentum")
         v = self._read(variable, "velocity")
         alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+        # Python numbers made float32 tensors first: PyTorch adds a Python
+        # float to a float32 tensor in double precision, and the result
+        # would then differ from float32 arithmetic in the last bit.
+        one_minus_beta_1 = ops.cast(1 - optimizer.beta_1, dtype)
+        one_minus_beta_2 = ops.cast(1 - optimizer.beta_2, dtype)
         m = ops.add(
-            m, ops.multiply(ops.subtract(gradient, m), 1 - optimizer.beta_1)
+            m, ops.multiply(ops.subtract(gradient, m), one_minus_beta_1)
         )
         v = ops.add(
             v,
             ops.multiply(
-                ops.subtract(ops.square(gradient), v), 1 - optimizer.beta_2
+                ops.subtract(ops.square(gradient), v), one_minus_beta_2
             ),
         )
         self._store(variable, "momentum", m)
@@ -246,7 +251,8 @@ class Float8Slots:
             v = ops.maximum(self._read(variable, "velocity_hat"), v)
             self._store(variable, "velocity_hat", v)
         update = ops.divide(
-            ops.multiply(m, alpha), ops.add(ops.sqrt(v), optimizer.epsilon)
+            ops.multiply(m, alpha),
+            ops.add(ops.sqrt(v), ops.cast(optimizer.epsilon, dtype)),
         )
         optimizer.assign_sub(variable, ops.cast(update, variable.dtype))
 
