@@ -231,9 +231,8 @@ class Float8Slots:
         m = self._read(variable, "momentum")
         v = self._read(variable, "velocity")
         alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-        # Python numbers made float32 tensors first: PyTorch adds a Python
-        # float to a float32 tensor in double precision, and the result
-        # would then differ from float32 arithmetic in the last bit.
+        # Python numbers made float32 tensors first, so that every backend
+        # (and the NumPy oracle) multiplies and adds the same float32 values.
         one_minus_beta_1 = ops.cast(1 - optimizer.beta_1, dtype)
         one_minus_beta_2 = ops.cast(1 - optimizer.beta_2, dtype)
         m = ops.add(
