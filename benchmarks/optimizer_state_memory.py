@@ -14,7 +14,11 @@ the backend named by KERAS_BACKEND:
   costs on this machine, apart from the optimizer;
 - bf16_state_master: the same with `master_weights=True` and the model
   built under `keras_mp.Policy("bfloat16")` (bfloat16 weights, float32
-  masters inside the optimizer).
+  masters inside the optimizer);
+- float8_state: `OptimizerWrapper(Adam, state_dtype="float8")` (E4M3 codes
+  with a float32 scale per block of 128, the second moment stochastically
+  rounded), float32 weights; its step time is also given as a ratio to
+  bf16_state's.
 
 Printed per variant: bytes of optimizer state per parameter, summed from
 the optimizer's actual variables (masters included), and of weights plus
@@ -26,6 +30,7 @@ float32_adam. Variants alternate within each repeat, the order rotating:
 
     KERAS_BACKEND=jax python benchmarks/optimizer_state_memory.py
     KERAS_BACKEND=torch python benchmarks/optimizer_state_memory.py --steps 20
+    python benchmarks/optimizer_state_memory.py --variants bf16_state,float8_state
 """
 
 # ruff: noqa: E402 (the variable below must be set before TensorFlow loads)
@@ -51,6 +56,7 @@ VARIANTS = (
     "bf16_nearest",
     "bf16_params_adam",
     "bf16_state_master",
+    "float8_state",
 )
 BFLOAT16_MODELS = ("bf16_params_adam", "bf16_state_master")
 BATCH_SIZE = 64
@@ -68,6 +74,11 @@ def parse_args(argv=None):
         help="width 32, 2 steps, 1 repeat: checks that it runs",
     )
     parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated variants to run (float32_adam always runs)",
+    )
+    parser.add_argument(
         "--jit-compile",
         action="store_true",
         help="compile the TensorFlow step with XLA (JAX always uses XLA)",
@@ -75,6 +86,10 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.jit_compile and keras.backend.backend() != "tensorflow":
         parser.error("--jit-compile is for the TensorFlow backend")
+    chosen = set(args.variants.split(",")) | {"float32_adam"}
+    if chosen - set(VARIANTS):
+        parser.error(f"--variants must name some of {', '.join(VARIANTS)}")
+    args.variants = tuple(v for v in VARIANTS if v in chosen)
     if args.quick:
         args.width, args.steps, args.repeats = 32, 2, 1
     for name in ("steps", "repeats", "width"):
@@ -98,7 +113,7 @@ def build(variant, width, jit_compile=False):
     if variant not in ("float32_adam", "bf16_params_adam"):
         optimizer = keras_mp.OptimizerWrapper(
             optimizer,
-            state_dtype="bfloat16",
+            state_dtype="float8" if variant == "float8_state" else "bfloat16",
             stochastic_rounding=variant != "bf16_nearest",
             master_weights=variant == "bf16_state_master",
         )
@@ -145,7 +160,7 @@ def fit_seconds(model, data):
 def run(args):
     models = {
         variant: build(variant, args.width, args.jit_compile)
-        for variant in VARIANTS
+        for variant in args.variants
     }
     data = make_data(args.steps)
     warmup = make_data(2)
@@ -165,9 +180,10 @@ def run(args):
             "detail": detail,
             "times": [],
         }
+    variants = args.variants
     for repeat in range(args.repeats):
-        shift = repeat % len(VARIANTS)
-        for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+        shift = repeat % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
             seconds = fit_seconds(models[variant], data)
             rows[variant]["times"].append(seconds / args.steps)
     return rows
@@ -185,7 +201,7 @@ def format_table(args, rows):
         f"{'w+state B/param':>15} {'peak step MB':>12} {'ms/step':>8} "
         f"{'time/f32':>8}",
     ]
-    for variant in VARIANTS:
+    for variant in args.variants:
         row = rows[variant]
         median = statistics.median(row["times"])
         peak = "-" if row["peak"] is None else f"{row['peak'] / 2**20:.1f}"
@@ -194,14 +210,19 @@ def format_table(args, rows):
             f"{row['state'] / base['state']:>9.3f} {row['total']:>15.2f} "
             f"{peak:>12} {median * 1e3:>8.2f} {median / base_time:>8.3f}"
         )
-    for variant in VARIANTS[1:]:
+    for variant in args.variants[1:]:
         row = rows[variant]
         lines.append(
             f"{variant}: state/f32 = {row['state'] / base['state']:.3f}, "
             "time/f32 = "
             f"{statistics.median(row['times']) / base_time:.3f}"
         )
-    for variant in VARIANTS:
+    if "float8_state" in rows and "bf16_state" in rows:
+        ratio = statistics.median(rows["float8_state"]["times"]) / (
+            statistics.median(rows["bf16_state"]["times"])
+        )
+        lines.append(f"float8_state: time/bf16_state = {ratio:.3f}")
+    for variant in args.variants:
         lines.append(f"peak memory of {variant}: {rows[variant]['detail']}")
     return "\n".join(lines)
 

@@ -22,9 +22,10 @@ on), this guide shows:
    layers in float32) extended by a rule of our own, and the
    `explain_precision` table saying, per layer, which rule decided;
 3. optimizer state in bfloat16: `OptimizerWrapper(Adam, state_dtype=
-   "bfloat16")` (stochastic rounding by default) against float32 Adam: bytes
-   of state per parameter, measured from the optimizer's variables, and the
-   final losses side by side;
+   "bfloat16")` (stochastic rounding by default) and in 8 bits
+   (`state_dtype="float8"`: E4M3 codes with a scale per block of 128)
+   against float32 Adam: bytes of state per parameter, measured from the
+   optimizer's variables, and the final losses side by side;
 4. pure bfloat16 weights with float32 master weights inside the optimizer
    (`master_weights=True`) against the same without masters, where small
    updates round away;
@@ -264,6 +265,12 @@ def islands_demo():
 # float32 (the moments are read upcast); the result is stored with
 # stochastic rounding, so increments smaller than bfloat16's rounding step
 # survive on average instead of being dropped every step.
+#
+# `state_dtype="float8"` (Adam and AdamW) goes to one byte a moment: E4M3
+# codes, with a float32 power-of-two scale for each block of 128 values,
+# about 2.06 bytes of state per parameter. The second moment is stored as
+# its square root (so it spans the same range as the first) and rounded
+# stochastically; the first moment is rounded to nearest.
 
 
 def make_adam(steps):
@@ -278,7 +285,8 @@ def make_adam(steps):
 
 
 def state_demo(mixed, data, epochs, steps):
-    """Trains the mixed model with float32 Adam and a copy with bf16 state."""
+    """Trains the mixed model with float32 Adam, and copies with bfloat16
+    and float8 state."""
     adam = make_adam(steps)
     loss, accuracy = train(mixed, adam, data, epochs)
     low = build_model()
@@ -286,16 +294,26 @@ def state_demo(mixed, data, epochs, steps):
         make_adam(steps), state_dtype="bfloat16"
     )
     low_loss, low_accuracy = train(low, wrapper, data, epochs)
+    eight = build_model()
+    float8 = keras_mp.OptimizerWrapper(make_adam(steps), state_dtype="float8")
+    eight_loss, eight_accuracy = train(eight, float8, data, epochs)
     print(f"float32 Adam, optimizer variables:   {dtypes(adam.variables)}")
     print(f"bfloat16 state, optimizer variables: {dtypes(wrapper.variables)}")
+    print(f"float8 state, optimizer variables:   {dtypes(float8.variables)}")
     print(
         "(besides the two moments: the step counter and, for stochastic\n"
-        "rounding, the seed generator's state)"
+        "rounding, the seed generator's state; float8 codes are uint8, with\n"
+        "float32 block scales)"
     )
     print(
-        f"final loss: float32 state {loss:.4f}, bfloat16 state {low_loss:.4f}\n"
+        f"final loss: float32 state {loss:.4f}, bfloat16 state "
+        f"{low_loss:.4f}, float8 state {eight_loss:.4f}\n"
     )
-    return (mixed, loss, accuracy), (low, low_loss, low_accuracy)
+    return (
+        (mixed, loss, accuracy),
+        (low, low_loss, low_accuracy),
+        (eight, eight_loss, eight_accuracy),
+    )
 
 
 # ## 4. Pure bfloat16 weights, with and without master weights
@@ -418,9 +436,12 @@ def main(argv=None):
         *train(baseline, make_adam(steps), data, epochs),
     )
     keras_mp.set_global_policy("mixed_bfloat16", float32_islands=RULES)
-    float32_state, bfloat16_state = state_demo(mixed, data, epochs, steps)
+    float32_state, bfloat16_state, float8_state = state_demo(
+        mixed, data, epochs, steps
+    )
     record("mixed_bfloat16, Adam", *float32_state)
     record("mixed_bfloat16, bfloat16 state", *bfloat16_state)
+    record("mixed_bfloat16, float8 state", *float8_state)
 
     print("## 4. Pure bfloat16 weights")
     keras_mp.set_global_policy("float32")

@@ -432,7 +432,7 @@ def test_get_config_round_trips_state_arguments():
         (
             {"state_dtype": "float32", "stochastic_rounding": True},
             ValueError,
-            "bfloat16 optimizer state only",
+            "bfloat16 and float8 optimizer state only",
         ),
         ({"stochastic_rounding": True}, ValueError, "state_dtype=None"),
         (

@@ -207,6 +207,9 @@ class CheckpointMixin:
         inner_values = pending.get("inner")
         if inner_values is not None:
             inner_variables = self._base_optimizer().variables
+            inner_values = self._matching_inner_state(
+                inner_variables, inner_values
+            )
             if len(inner_values) != len(inner_variables):
                 # As Keras does for a plain optimizer: the checkpoint of an
                 # optimizer built for other variables (or not built) is

@@ -21,12 +21,13 @@ from keras_mp import _random_bits
 from keras_mp.backend import fused_state_update
 from keras_mp.backend import gradients as backend_gradients
 from keras_mp.backend import optimizer_state
+from keras_mp.optimizers import float8_state
 from keras_mp.optimizers.overwrite_with_gradient import overwrites_with_gradient
 
 # The dtypes `state_dtype` takes. float16 state only suits slots that stay
 # within its range (it flushes Adam's squared gradients below 6e-8 to zero);
 # bfloat16 has float32's range.
-_STATE_DTYPES = ("bfloat16", "float16", "float32")
+_STATE_DTYPES = ("bfloat16", "float16", "float32", "float8")
 _HALF_DTYPES = ("bfloat16", "float16")
 
 
@@ -63,6 +64,7 @@ class StatePrecisionMixin:
             _master_weights=master_weights,
             _state_precision_variables=[],
             _master_variables={},
+            _float8_slots=None,
             _weight_decay_exclusions=None,
             # Drawn now, as Keras layers draw theirs, not at build: after
             # `keras.utils.set_random_seed`, an optimizer created alike
@@ -86,6 +88,9 @@ class StatePrecisionMixin:
         slot store in float32, rounding once at the end.
         """
         state_dtype = self._state_dtype
+        if state_dtype == "float8":
+            self._install_float8_state(base)
+            return
         slot_ids = set()
         create_from_reference = base.add_variable_from_reference
         create = base.add_variable
@@ -196,6 +201,86 @@ class StatePrecisionMixin:
             combine.original = getattr(base, name)
             base.__dict__[name] = store(combine)
 
+    def _install_float8_state(self, base):
+        """Hooks the base optimizer's slot creation and update for float8
+        state (`float8_state.py`): each slot is created as uint8 E4M3
+        codes of its own shape followed by a float32 variable of block
+        scales, and `update_step` runs Adam's update on the decoded
+        moments."""
+        if not float8_state.supports(base):
+            raise ValueError(
+                "state_dtype='float8' holds the moments of Keras's Adam and "
+                "AdamW (E4M3 codes with block scales, updated by keras_mp's "
+                "float32 copy of their update). Received: inner optimizer "
+                f"{base.name!r} of class {type(base).__name__}. Use "
+                "state_dtype='bfloat16' for other optimizers."
+            )
+        slots = float8_state.Float8Slots(
+            base,
+            (lambda: self._seed_generator)
+            if self._stochastic_rounding
+            else None,
+        )
+        self.__dict__["_float8_slots"] = slots
+        create_from_reference = base.add_variable_from_reference
+        create = base.add_variable
+        creating_slot = []
+
+        def add_variable_from_reference(
+            reference_variable, name=None, initializer="zeros"
+        ):
+            if (
+                name in _keras_internals.NON_STATE_SLOT_NAMES
+                or not keras.backend.is_float_dtype(reference_variable.dtype)
+                or overwrites_with_gradient(reference_variable)
+            ):
+                return create_from_reference(
+                    reference_variable, name, initializer
+                )
+            if name not in float8_state.ADAM_SLOTS or initializer != "zeros":
+                raise ValueError(
+                    "state_dtype='float8' holds Adam's moments only (slots "
+                    f"{sorted(float8_state.ADAM_SLOTS)}, starting at zero). "
+                    f"Received: a slot {name!r} of {base.name!r} with "
+                    f"initializer {initializer!r}. Use state_dtype='bfloat16'."
+                )
+            creating_slot.append(True)
+            try:
+                codes = create_from_reference(
+                    reference_variable, name, initializer
+                )
+            finally:
+                creating_slot.pop()
+            size = int(np.prod(reference_variable.shape))
+            scales = create(
+                shape=(float8_state.block_count(size),),
+                initializer="ones",
+                dtype="float32",
+                name=f"{codes.name}_scale",
+            )
+            slots.add(reference_variable, name, codes, scales)
+            return codes
+
+        def add_variable(*args, **kwargs):
+            if creating_slot:
+                kwargs["dtype"] = "uint8"
+            return create(*args, **kwargs)
+
+        update_step = base.update_step
+
+        def hooked_update_step(gradient, variable, learning_rate):
+            if not slots.holds(variable):
+                return update_step(gradient, variable, learning_rate)
+            return slots.update_step(gradient, variable, learning_rate)
+
+        base.__dict__.update(
+            add_variable_from_reference=add_variable_from_reference,
+            add_variable=add_variable,
+            update_step=hooked_update_step,
+        )
+        optimizer_state.route_updates_through_update_step(base)
+        optimizer_state.compile_update_with_xla(base)
+
     def _round_state(self, value):
         """A float32 `value` stored in `state_dtype`."""
         if self._stochastic_rounding:
@@ -297,6 +382,76 @@ class StatePrecisionMixin:
             return variables, values[: len(variables)]
         return variables, values
 
+    def _matching_inner_state(self, variables, values):
+        """The inner optimizer's checkpoint `values` for its `variables`,
+        converted where one side has float8 state and the other not.
+
+        float8 state saves two values per slot (uint8 codes, then float32
+        block scales) where other state saves one: a float32, bfloat16 or
+        float16 slot is quantized (to nearest) into codes and scales, codes
+        and scales are decoded into a float32 value (which
+        `checkpointing.py` then converts to a 16-bit slot's dtype). Warns,
+        naming the conversion. Values that fit neither layout are returned
+        as they are (the caller reports the mismatch).
+        """
+        values = [np.asarray(v) for v in values]
+        slots = self._float8_slots
+        if slots is not None:
+            scales = {
+                id(entry[0])
+                for entry in map(slots.scales_of, variables)
+                if entry is not None
+            }
+            if not scales or len(values) != len(variables) - len(scales):
+                return values
+            converted, remaining = [], iter(values)
+            for variable in variables:
+                if id(variable) in scales:
+                    continue
+                value = next(remaining)
+                entry = slots.scales_of(variable)
+                if entry is None:
+                    converted.append(value)
+                    continue
+                if not np.issubdtype(value.dtype, np.floating) and (
+                    value.dtype.name != "bfloat16"
+                ):
+                    return values
+                value = value.astype(np.float32)
+                if entry[1]:
+                    value = np.sqrt(value)
+                converted += list(float8_state.quantize_numpy(value))
+            source = sorted({str(v.dtype) for v in values if v.ndim})
+            what, conversion = len(scales), f"{'/'.join(source)} to float8"
+        else:
+            codes = sum(v.dtype == np.uint8 for v in values)
+            if not codes or len(values) != len(variables) + codes:
+                return values
+            converted, index = [], 0
+            for variable in variables:
+                value = values[index]
+                index += 1
+                if value.dtype == np.uint8:
+                    value = float8_state.dequantize_numpy(value, values[index])
+                    index += 1
+                    if float8_state.is_second_moment(variable.path):
+                        value = value * value
+                converted.append(value)
+            what, conversion = codes, "float8 to float32"
+        warnings.warn(
+            f"Converted {what} optimizer slot(s) from {conversion} while "
+            f"loading the checkpoint of optimizer {self.name!r}: it was "
+            "saved with another `state_dtype` "
+            + (
+                "(float8 codes and block scales are written from the values, "
+                "rounded to nearest)."
+                if slots is not None
+                else "(float8 codes and block scales decoded exactly)."
+            ),
+            stacklevel=5,
+        )
+        return converted
+
     def _to_master_weights(self, grads_and_vars):
         """The pairs the inner optimizer updates: float32 gradients of the
         masters.
@@ -336,7 +491,11 @@ def check_state_arguments(state_dtype, stochastic_rounding, master_weights):
     """Validated `state_dtype` and `stochastic_rounding` (None resolved)."""
     if state_dtype is not None:
         try:
-            standardized = keras.backend.standardize_dtype(state_dtype)
+            standardized = (
+                "float8"
+                if state_dtype == "float8"
+                else keras.backend.standardize_dtype(state_dtype)
+            )
         except ValueError:
             standardized = None
         if standardized not in _STATE_DTYPES:
@@ -344,22 +503,24 @@ def check_state_arguments(state_dtype, stochastic_rounding, master_weights):
                 "`state_dtype` must be one of "
                 f"{', '.join(repr(d) for d in _STATE_DTYPES)} or None. "
                 f"Received: state_dtype={state_dtype!r}. Use "
-                "state_dtype='bfloat16' to halve float32 optimizer state."
+                "state_dtype='bfloat16' to halve float32 optimizer state, "
+                "or 'float8' (Adam and AdamW) to quarter it."
             )
         state_dtype = standardized
     if stochastic_rounding is None:
-        stochastic_rounding = state_dtype == "bfloat16"
+        stochastic_rounding = state_dtype in ("bfloat16", "float8")
     elif not isinstance(stochastic_rounding, bool):
         raise TypeError(
             "`stochastic_rounding` must be a bool or None. Received: "
             f"stochastic_rounding={stochastic_rounding!r}"
         )
-    elif stochastic_rounding and state_dtype != "bfloat16":
+    elif stochastic_rounding and state_dtype not in ("bfloat16", "float8"):
         raise ValueError(
-            "Stochastic rounding applies to bfloat16 optimizer state only "
-            "(float32 state is not rounded; float16 state rounds to nearest). "
-            f"Received: state_dtype={state_dtype!r}, stochastic_rounding=True. "
-            "Use state_dtype='bfloat16', or leave stochastic_rounding unset."
+            "Stochastic rounding applies to bfloat16 and float8 optimizer "
+            "state only (float32 state is not rounded; float16 state rounds "
+            f"to nearest). Received: state_dtype={state_dtype!r}, "
+            "stochastic_rounding=True. Use state_dtype='bfloat16' or "
+            "'float8', or leave stochastic_rounding unset."
         )
     if not isinstance(master_weights, bool):
         raise TypeError(

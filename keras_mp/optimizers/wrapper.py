@@ -93,7 +93,13 @@ class OptimizerWrapper(
             rounds to 1.0 in bfloat16 and the weights never move): use
             `master_weights=True` there.
             `"bfloat16"` halves float32 Adam's 8 bytes of state per
-            parameter. Defaults to `None`.
+            parameter. `"float8"` (Keras's Adam and AdamW only) keeps
+            each moment as uint8 E4M3 codes of the slot's shape plus a
+            float32 power-of-two scale per block of 128 elements (an
+            optimizer variable named `..._scale` after the codes), about
+            2.06 bytes per parameter; the second moment is stored as its
+            square root, and the update computes in float32.
+            Defaults to `None`.
         stochastic_rounding: Whether bfloat16 state is stored with
             stochastic rounding (unbiased: increments smaller than the
             rounding step survive on average, where rounding to nearest
@@ -101,8 +107,10 @@ class OptimizerWrapper(
             `keras.random.SeedGenerator` whose state is an optimizer
             variable and whose seed is drawn when the wrapper is created,
             so runs repeat after `keras.utils.set_random_seed`.
-            `None` means True for bfloat16 state, False otherwise; only
-            bfloat16 state supports it. Defaults to `None`.
+            `None` means True for bfloat16 and float8 state, False
+            otherwise; only those support it (float8 state rounds only
+            the second moment stochastically, the first to nearest).
+            Defaults to `None`.
         master_weights: Whether to keep a float32 master copy of every
             bfloat16 or float16 trainable variable ("pure 16-bit" training,
             e.g. under `keras_mp.Policy("bfloat16")`): the inner optimizer

@@ -20,6 +20,7 @@ __all__ = [
     "apply_as_fit",
     "assert_bitwise_equal",
     "assert_close",
+    "bytes_per_parameter",
     "count_host_syncs",
     "describe_machine",
     "gemm_and_gradients",
@@ -124,6 +125,46 @@ def describe_machine():
     except OSError:
         pass
     return f"{cpu}, {os.cpu_count()} cores"
+
+
+def bytes_per_parameter(variables, optimizer):
+    """Bytes of weights, optimizer state and master weights per parameter.
+
+    Read from the variables themselves (element count times the size of
+    their dtype): `variables` (a model's `weights`, say) for the weights;
+    `optimizer.variables` for the state (slots, float8 codes and their
+    block scales, step counter, seed state), less the float32 master copies
+    of `master_weights` (the optimizer variables named `..._master`),
+    counted apart. The parameters are the trainable ones among `variables`.
+
+    Args:
+        variables: The model's variables (e.g. `model.weights`).
+        optimizer: The optimizer, built.
+
+    Returns:
+        A dict with float values for `"weights"`, `"state"` and
+        `"masters"`.
+    """
+    import keras
+
+    def nbytes(group):
+        total = 0
+        for variable in group:
+            dtype = keras.backend.standardize_dtype(variable.dtype)
+            itemsize = 2 if dtype in ("bfloat16", "float16") else None
+            if itemsize is None:
+                itemsize = np.dtype(dtype).itemsize
+            total += int(np.prod(variable.shape)) * itemsize
+        return total
+
+    params = sum(int(np.prod(v.shape)) for v in variables if v.trainable)
+    masters = [v for v in optimizer.variables if v.path.endswith("_master")]
+    state = [v for v in optimizer.variables if not v.path.endswith("_master")]
+    return {
+        "weights": nbytes(variables) / params,
+        "state": nbytes(state) / params,
+        "masters": nbytes(masters) / params,
+    }
 
 
 def to_numpy(value):
