@@ -187,6 +187,19 @@ def freeze(model, calibration_data=None):
         for layer in layers
         if fp8_layers.layer_recipe(layer).formats == "nvfp4"
     ]
+    unquantized = [
+        layer.name
+        for layer in layers
+        if fp8_layers.layer_recipe(layer).high_precision == "forward"
+    ]
+    if unquantized:
+        raise ValueError(
+            "`keras_mp.fp8.freeze` stores the kernels of FP8 forward GEMMs; "
+            f"layers {unquantized} run their forward GEMM in high precision "
+            "(`Recipe(high_precision='forward')`), so freezing them to FP8 "
+            "codes would change their outputs. Received: those layers. "
+            "Keep them as they are for inference."
+        )
     if nvfp4:
         raise ValueError(
             "`keras_mp.fp8.freeze` stores E4M3 and MXFP8 kernels; NVFP4 "

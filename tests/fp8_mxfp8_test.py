@@ -129,6 +129,34 @@ def test_codes_scales_and_values_match_numpy_and_ml_dtypes(
     )
 
 
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_e5m2_elements_match_numpy_and_ml_dtypes(axis, rounding):
+    """Transformer Engine's MXFP8 "hybrid" gradients: E5M2 elements, each
+    block scaled to 57344 = 1.75 * 2**15 by the same rules."""
+    host = _data("float32")
+    codes, scale = mxfp8.quantize(host, axis, rounding, fmt="e5m2")
+    expected_codes, expected_scale = reference.mx_quantize(
+        host, axis, rounding, fmt="e5m2"
+    )
+    assert keras.backend.standardize_dtype(codes.dtype) == "float8_e5m2"
+    _assert_codes_equal(codes, expected_codes)
+    np.testing.assert_array_equal(to_numpy(scale), expected_scale)
+    # One binade of E5M2's range above E4M3's: 7 codes lower.
+    e4m3_scale = to_numpy(mxfp8.quantize(host, axis, rounding)[1]).astype(int)
+    finite = (expected_scale != 255) & (e4m3_scale > 7)
+    assert (e4m3_scale[finite] - expected_scale[finite].astype(int) == 7).all()
+    _assert_float32_bits_equal(
+        mxfp8.dequantize(codes, scale, axis),
+        reference.mx_dequantize(expected_codes, expected_scale, axis),
+    )
+    amax = np.float32([57344.0, 57345.0, 0.0, np.inf])
+    np.testing.assert_array_equal(
+        to_numpy(mxfp8.e8m0_from_amax(amax, rounding, "e5m2")),
+        reference.mx_e8m0(amax, rounding, "e5m2"),
+    )
+
+
 def _sampled_amax(seed=0):
     """Boundaries of the E8M0 rules: every power of two and 448 * 2**k with
     their float32 neighbours, mantissas around 1.75 in every binade, the

@@ -32,6 +32,10 @@ SCALE_ROUNDINGS = ("rceil", "floor")
 # E4M3's largest value is 1.75 * 2**8: an amax whose float32 mantissa is
 # above 1.75 needs the next power of two under "rceil".
 _E4M3_EXPONENT = 8
+# The elements' format -> the exponent of its largest value (1.75 * 2**e:
+# 448 = 1.75 * 2**8 for E4M3, 57344 = 1.75 * 2**15 for E5M2, as Transformer
+# Engine's MXFP8 "hybrid" gradients take them).
+ELEMENT_FORMATS = {"e4m3": _E4M3_EXPONENT, "e5m2": 15}
 _MANTISSA_OF_1_75 = 0x600000
 _MANTISSA = 0x7FFFFF
 _MAGNITUDE = 0x7FFFFFFF
@@ -52,14 +56,14 @@ def _view(x, dtype):
     return ops.view(x, dtype)
 
 
-def _codes_from_magnitude_bits(magnitude, rounding):
+def _codes_from_magnitude_bits(magnitude, rounding, fmt="e4m3"):
     """E8M0 codes (int32) of amaxes given as their float32 bits, sign
     cleared: a float32 `2**(b - 127) * m` (biased exponent `b`, `m` in
     [1, 2)) needs `2**(b - 127 - 8)` if `m <= 1.75` ("rceil") or always
     ("floor"), one binade more otherwise; subnormals and zero fall below
     the clamp to code 0, inf and NaN (`b = 255`) give 0xFF."""
     biased = ops.right_shift(magnitude, 23)
-    code = biased - _E4M3_EXPONENT
+    code = biased - ELEMENT_FORMATS[fmt]
     if rounding == "rceil":
         above = ops.bitwise_and(magnitude, _MANTISSA) > _MANTISSA_OF_1_75
         code = code + ops.cast(above, "int32")
@@ -67,7 +71,7 @@ def _codes_from_magnitude_bits(magnitude, rounding):
     return ops.where(biased == 255, _E8M0_NAN, code)
 
 
-def e8m0_from_amax(amax, rounding="rceil"):
+def e8m0_from_amax(amax, rounding="rceil", fmt="e4m3"):
     """E8M0 scale codes of blocks whose largest magnitude is `amax`.
 
     The code `c` stands for the scale `2**(c - 127)`; the block's E4M3
@@ -96,6 +100,9 @@ def e8m0_from_amax(amax, rounding="rceil"):
         amax: A floating point tensor of block amaxes (its sign is
             ignored); read as float32.
         rounding: `"rceil"` or `"floor"`. Defaults to `"rceil"`.
+        fmt: The elements' format, `"e4m3"` (largest value 448) or
+            `"e5m2"` (57344: the rules above with 57344 and `- 15`).
+            Defaults to `"e4m3"`.
 
     Returns:
         A `uint8` tensor of `amax`'s shape: the E8M0 codes.
@@ -107,12 +114,15 @@ def e8m0_from_amax(amax, rounding="rceil"):
     [127, 128, 0]
     """
     check_choice("rounding", rounding, SCALE_ROUNDINGS)
+    check_choice("fmt", fmt, ELEMENT_FORMATS)
     amax = ops.convert_to_tensor(amax)
     check_float("amax", amax)
     magnitude = ops.bitwise_and(
         _view(ops.cast(amax, "float32"), "int32"), _MAGNITUDE
     )
-    return ops.cast(_codes_from_magnitude_bits(magnitude, rounding), "uint8")
+    return ops.cast(
+        _codes_from_magnitude_bits(magnitude, rounding, fmt), "uint8"
+    )
 
 
 def _power_of_two(biased):
@@ -162,7 +172,7 @@ def _tiled_shape(x, axis, size):
     return (*shape[:axis], size // BLOCK, BLOCK, *shape[axis + 1 :])
 
 
-def quantize(x, axis=-1, scale_rounding="rceil"):
+def quantize(x, axis=-1, scale_rounding="rceil", fmt="e4m3"):
     """Quantizes `x` to MXFP8: E4M3 codes and E8M0 scales per 32 values.
 
     Each block of 32 consecutive values along `axis` (the GEMM's
@@ -182,9 +192,14 @@ def quantize(x, axis=-1, scale_rounding="rceil"):
         scale_rounding: `"rceil"` (the smallest power-of-two scale that
             clips nothing: Transformer Engine, JAX, torchao training) or
             `"floor"` (the OCP rule). Defaults to `"rceil"`.
+        fmt: The elements' format: `"e4m3"`, or `"e5m2"` (largest value
+            57344, keeps inf; Transformer Engine's MXFP8 "hybrid"
+            gradients), each block then scaled to 57344. Defaults to
+            `"e4m3"`.
 
     Returns:
-        `(codes, scale)`: `float8_e4m3fn` codes of `x`'s shape, and `uint8`
+        `(codes, scale)`: `float8_e4m3fn` (or `float8_e5m2`) codes of
+        `x`'s shape, and `uint8`
         E8M0 codes of `x`'s shape with `axis` divided by 32; `x ≈ codes *
         scale_values(scale)`, each scale repeated over its block
         (`dequantize` gives those values).
@@ -199,6 +214,7 @@ def quantize(x, axis=-1, scale_rounding="rceil"):
     384.0
     """
     check_choice("scale_rounding", scale_rounding, SCALE_ROUNDINGS)
+    check_choice("fmt", fmt, ELEMENT_FORMATS)
     x = ops.convert_to_tensor(x)
     check_float("x", x)
     axis = _check_axis(x, axis, "x")
@@ -218,7 +234,7 @@ def quantize(x, axis=-1, scale_rounding="rceil"):
     # The amax as integer bits: exact (no flush of subnormals), and NaN
     # (above inf) wins on every backend.
     amax = ops.max(magnitude, axis=axis + 1, keepdims=True)
-    code = _codes_from_magnitude_bits(amax, scale_rounding)
+    code = _codes_from_magnitude_bits(amax, scale_rounding, fmt)
     nonfinite = code == _E8M0_NAN
     # 2**(127 - code) is a normal float32 for every code from an amax
     # (0 ... 247), so the multiply is exact wherever its result is normal;
@@ -234,7 +250,7 @@ def quantize(x, axis=-1, scale_rounding="rceil"):
     from_subnormal = ops.cast(magnitude, "float32") * subnormal_factor
     from_subnormal = ops.where(bits < 0, -from_subnormal, from_subnormal)
     scaled = ops.where(magnitude <= _MANTISSA, from_subnormal, scaled)
-    codes = ops.reshape(encode(scaled, "e4m3"), shape)
+    codes = ops.reshape(encode(scaled, fmt), shape)
     return codes, ops.cast(ops.squeeze(code, axis + 1), "uint8")
 
 

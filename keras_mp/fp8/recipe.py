@@ -15,10 +15,10 @@ from keras_mp import _config
 
 SCALINGS = ("current", "delayed", "static")
 GRANULARITIES = ("tensorwise", "rowwise", "block")
-FORMATS = ("hybrid", "e4m3", "mxfp8", "nvfp4")
+FORMATS = ("hybrid", "e4m3", "mxfp8", "mxfp8_hybrid", "nvfp4")
 # The formats whose blocks and scales are their own (OCP MX: 32 values
 # along each GEMM's contracted axis share an E8M0 scale), by granularity.
-MX_FORMATS = {"mxfp8": "microblock"}
+MX_FORMATS = {"mxfp8": "microblock", "mxfp8_hybrid": "microblock"}
 # How an MX block's E8M0 scale is rounded: "rceil" (the power of two at or
 # above amax / 448: Transformer Engine, JAX, torchao's training recipes)
 # or "floor" (the OCP specification's rule, which may clip the block's
@@ -45,6 +45,7 @@ FIELDS = (
     "amax_algo",
     "stats",
     "scale_rounding",
+    "high_precision",
     "stochastic_rounding",
     "hadamard",
 )
@@ -197,6 +198,39 @@ def _check_nv(formats, granularity, scaling, margin, stats, options):
     return own, *resolved
 
 
+# The GEMM roles a recipe may leave unquantized (`high_precision`).
+HIGH_PRECISION_ROLES = ("forward", "backward")
+
+
+def _check_high_precision(role, scaling, granularity, formats, stats):
+    """`role` checked against the rest of the recipe: None, or a role
+    whose GEMMs run unquantized while the others run the format."""
+    if role is None:
+        return None
+    check_choice("high_precision", role, HIGH_PRECISION_ROLES)
+    fix = (
+        "Leave `high_precision` as None, or "
+        'use scaling="current" without statistics'
+    )
+    if scaling != "current" or stats:
+        raise ValueError(
+            "`high_precision` leaves one role's GEMMs unquantized, so they "
+            "have no scales to keep and no statistics to count. Received: "
+            f"high_precision={role!r}, scaling={scaling!r}, stats={stats!r}. "
+            f"{fix}."
+        )
+    if role == "forward" and granularity in ("tensorwise", "block"):
+        raise ValueError(
+            f"granularity={granularity!r} reuses the forward GEMM's codes "
+            "in the gradients' GEMMs, so its forward cannot run in high "
+            f"precision. Received: high_precision={role!r}, formats="
+            f"{formats!r}. Use granularity='rowwise', formats='mxfp8' or "
+            "'nvfp4' (each quantizes every GEMM's operands from the "
+            "high-precision source), or high_precision='backward'."
+        )
+    return role
+
+
 @keras.saving.register_keras_serializable(package="keras_mp")
 class Recipe:
     """How the GEMMs of a layer run in FP8.
@@ -236,10 +270,13 @@ class Recipe:
             `"e4m3"` (E4M3 everywhere), or `"mxfp8"` (OCP MXFP8: E4M3
             values in blocks of 32 along each GEMM's contracted axis, each
             block with an E8M0 power-of-two scale, every operand quantized
-            from its high-precision source; current scaling, no margin), or
-            `"nvfp4"` (NVIDIA's NVFP4 after Transformer Engine's recipe:
-            E2M1 values in blocks of 16 with E4M3 block scales and a
-            float32 tensor scale; inputs and output gradients in 1x16
+            from its high-precision source; current scaling, no margin),
+            `"mxfp8_hybrid"` (the same with the output gradient's blocks
+            in E5M2, scaled to 57344: Transformer Engine's
+            `MXFP8BlockScaling(fp8_format=HYBRID)`), or `"nvfp4"`
+            (NVIDIA's NVFP4 after Transformer Engine's recipe: E2M1 values
+            in blocks of 16 with E4M3 block scales and a float32 tensor
+            scale; inputs and output gradients in 1x16
             blocks along each GEMM's contracted axis, the kernel in 16x16
             tiles that serve both of its GEMMs; current scaling, no margin,
             no statistics; see `keras_mp/fp8/quantizers/nvfp4.py`).
@@ -281,6 +318,14 @@ class Recipe:
             `None`: `True` for `"nvfp4"`; other formats take no such
             option.
 
+        high_precision: A GEMM role left unquantized, the others running
+            `formats`: `"backward"` (the input- and kernel-gradient GEMMs
+            on the unquantized operands, as Transformer Engine's
+            `backward_override="high_precision"`) or `"forward"` (the
+            forward GEMM; not for `"tensorwise"` and `"block"`, whose
+            gradients reuse the forward codes). Current scaling, no
+            statistics. Defaults to `None`: every GEMM in FP8.
+
     Example:
 
     >>> recipe = keras_mp.fp8.Recipe(granularity="rowwise")
@@ -302,6 +347,7 @@ class Recipe:
         scale_rounding=None,
         stochastic_rounding=None,
         hadamard=None,
+        high_precision=None,
         **kwargs,
     ):
         if kwargs:
@@ -345,6 +391,9 @@ class Recipe:
         self._scale_rounding = scale_rounding
         self._stochastic_rounding = stochastic_rounding
         self._hadamard = hadamard
+        self._high_precision = _check_high_precision(
+            high_precision, scaling, granularity, formats, stats
+        )
         if (
             scaling != "current"
             and granularity != "tensorwise"
@@ -367,6 +416,7 @@ class Recipe:
     amax_history = property(lambda self: self._amax_history)
     amax_algo = property(lambda self: self._amax_algo)
     stats = property(lambda self: self._stats)
+    high_precision = property(lambda self: self._high_precision)
     scale_rounding = property(lambda self: self._scale_rounding)
     stochastic_rounding = property(lambda self: self._stochastic_rounding)
     hadamard = property(lambda self: self._hadamard)
@@ -379,11 +429,11 @@ class Recipe:
 
     @property
     def backward_format(self):
-        """The format of output gradients: `"e5m2"` when hybrid, `"e2m1"`
-        for NVFP4."""
+        """The format of output gradients: `"e5m2"` when hybrid (MX
+        blocks of E5M2 for `"mxfp8_hybrid"`), `"e2m1"` for NVFP4."""
         if self._formats in NV_FORMATS:
             return "e2m1"
-        return "e5m2" if self._formats == "hybrid" else "e4m3"
+        return "e5m2" if self._formats in ("hybrid", "mxfp8_hybrid") else "e4m3"
 
     def get_config(self):
         config = {
@@ -404,6 +454,8 @@ class Recipe:
             config["stochastic_rounding"] = self._stochastic_rounding
         if self._hadamard is not None:
             config["hadamard"] = self._hadamard
+        if self._high_precision is not None:
+            config["high_precision"] = self._high_precision
         return config
 
     @classmethod

@@ -131,7 +131,9 @@ def _recipe(layer):
 def _scale(amax, fmt, recipe):
     """The scale `amax` gets: a tensor's, or its MX block's E8M0 scale."""
     if recipe.scale_rounding is not None:
-        code = mxfp8.e8m0_from_amax(np.float32(amax), recipe.scale_rounding)
+        code = mxfp8.e8m0_from_amax(
+            np.float32(amax), recipe.scale_rounding, fmt
+        )
         scale = mxfp8.scale_values(code)
     else:
         scale = scale_from_amax(amax, fmt, recipe.margin)
@@ -141,8 +143,6 @@ def _scale(amax, fmt, recipe):
 def _layer_rows(path, recipe, values):
     rows = []
     formats = (recipe.forward_format,) * 2 + (recipe.backward_format,)
-    if recipe.scale_rounding is not None:
-        formats = (recipe.formats,) * 3
     for tensor, fmt, row in zip(stats_module.TENSORS, formats, values):
         count = int(row[stats_module.COUNT])
         bins = np.flatnonzero(row[: stats_module.HISTOGRAM_BINS])
@@ -153,7 +153,10 @@ def _layer_rows(path, recipe, values):
             ReportRow(
                 layer=path,
                 tensor=tensor,
-                format=fmt,
+                # MX: the format and its elements' ("mxfp8 e5m2").
+                format=fmt
+                if recipe.scale_rounding is None
+                else f"{recipe.formats.split('_')[0]} {fmt}",
                 amax_low=low,
                 amax_high=high,
                 scale=_scale(amax, fmt, recipe),

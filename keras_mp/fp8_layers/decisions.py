@@ -124,6 +124,8 @@ def describe(layer, policy):
             text += f" margin={recipe.margin}"
         if recipe.scale_rounding not in (None, "rceil"):
             text += f" scale_rounding={recipe.scale_rounding}"
+        if recipe.high_precision is not None:
+            text += f" {recipe.high_precision} in high precision"
         if recipe.stochastic_rounding is False:
             text += " no stochastic rounding"
         if recipe.hadamard is False:

@@ -160,13 +160,16 @@ MX_BLOCK = 32
 E4M3_MAX = 448.0
 
 
-def mx_e8m0(amax, rounding="rceil"):
+def mx_e8m0(amax, rounding="rceil", fmt="e4m3"):
     """E8M0 codes (`uint8`) of block amaxes: `e + 127` for the scale `2**e`.
 
     `"rceil"`: the smallest `e` in [-127, 127] with `amax <= 448 * 2**e`;
     `"floor"`: `floor(log2(amax)) - 8`, clamped to [-127, 127]. Zero gives
     code 0, inf and NaN 0xFF.
     """
+    fmax = FORMATS[fmt][1]
+    # fmax = 1.75 * 2**top: E4M3 8, E5M2 15.
+    top = int(np.log2(fmax / 1.75))
     amax = np.abs(np.asarray(amax, np.float32).astype(np.float64))
     with np.errstate(invalid="ignore"):
         _, exponent = np.frexp(np.where(np.isfinite(amax), amax, 1.0))
@@ -174,10 +177,10 @@ def mx_e8m0(amax, rounding="rceil"):
         # 9) = 0.875 * 2**exponent is below or above it, and 448 *
         # 2**(exponent - 8) is always above it.
         if rounding == "rceil":
-            fits = amax <= np.ldexp(E4M3_MAX, exponent - 9)
-            e = np.where(fits, exponent - 9, exponent - 8)
+            fits = amax <= np.ldexp(fmax, exponent - top - 1)
+            e = np.where(fits, exponent - top - 1, exponent - top)
         elif rounding == "floor":
-            e = exponent - 1 - 8
+            e = exponent - 1 - top
         else:
             raise ValueError(f"unknown rounding {rounding!r}")
     code = np.clip(e, -127, 127) + 127
@@ -236,19 +239,20 @@ def _unblock(tiles, axis):
     return np.moveaxis(tiles.reshape(tiles.shape[:-2] + (-1,)), -1, axis)
 
 
-def mx_quantize(x, axis=-1, rounding="rceil"):
+def mx_quantize(x, axis=-1, rounding="rceil", fmt="e4m3"):
     """`(codes, scale)` as `keras_mp.fp8.mxfp8.quantize` must return them:
-    `float8_e4m3fn` codes and `uint8` E8M0 codes."""
+    `float8_e4m3fn` (or `float8_e5m2`) codes and `uint8` E8M0 codes."""
+    dtype, fmax = FORMATS[fmt]
     tiles = _blocks(np.asarray(x, np.float32).astype(np.float64), axis)
     amax = np.max(np.abs(tiles), axis=-1)  # NaN propagates
-    code = mx_e8m0(amax, rounding)
+    code = mx_e8m0(amax, rounding, fmt)
     power = np.ldexp(1.0, code.astype(np.int64) - 127)[..., None]
     y = tiles / power  # exact in float64
-    y = np.where(np.isfinite(y), np.clip(y, -E4M3_MAX, E4M3_MAX), np.nan)
+    y = np.where(np.isfinite(y), np.clip(y, -fmax, fmax), np.nan)
     y = np.where((code == 255)[..., None], np.nan, y)
     # y is a float32 times a power of two: exact in float32 unless below
-    # 2**-126, far under E4M3's smallest subnormal (2**-9) either way.
-    codes = y.astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+    # 2**-126, far under E4M3's and E5M2's smallest subnormals either way.
+    codes = y.astype(np.float32).astype(dtype)
     return _unblock(codes, axis), np.moveaxis(code, -1, axis)
 
 

@@ -10,6 +10,7 @@ from keras_mp.fp8.quantizers.base import Dtypes
 from keras_mp.fp8.quantizers.base import Quantizer
 from keras_mp.fp8.quantizers.base import Rows
 from keras_mp.fp8.quantizers.block import Block
+from keras_mp.fp8.quantizers.high_precision import HighPrecision
 from keras_mp.fp8.quantizers.mxfp8 import Mxfp8
 from keras_mp.fp8.quantizers.nvfp4 import Nvfp4
 from keras_mp.fp8.quantizers.rowwise import Rowwise
@@ -38,18 +39,24 @@ def nv(stochastic_rounding=True, hadamard=True):
 
 
 def get(recipe):
-    """The quantizer of a recipe's GEMMs."""
+    """The quantizer of a recipe's GEMMs (its high-precision role, where
+    it has one, unquantized)."""
     if recipe.granularity == "nvfp4":
-        return nv(recipe.stochastic_rounding, recipe.hadamard)
-    if recipe.granularity == "microblock":
-        return mx(recipe.scale_rounding)
-    return BY_GRANULARITY[recipe.granularity]
+        quantizer = nv(recipe.stochastic_rounding, recipe.hadamard)
+    elif recipe.granularity == "microblock":
+        quantizer = mx(recipe.scale_rounding)
+    else:
+        quantizer = BY_GRANULARITY[recipe.granularity]
+    if recipe.high_precision is not None:
+        return HighPrecision(quantizer, recipe.high_precision)
+    return quantizer
 
 
 __all__ = [
     "BY_GRANULARITY",
     "Call",
     "Dtypes",
+    "HighPrecision",
     "Mxfp8",
     "Nvfp4",
     "Quantizer",

@@ -126,6 +126,11 @@ class Quantizer(abc.ABC):
     """
 
     name = None
+    # Whether the gradients' GEMMs quantize from the high-precision `x`
+    # and kernel the forward keeps (`call.saved["x"]`, `["w"]`) rather
+    # than reuse the forward's codes: then the forward may run in high
+    # precision (`high_precision.py`).
+    quantizes_from_source = False
 
     @abc.abstractmethod
     def quantize(self, x, fmt, axis, margin, scale, block_shape):

@@ -1,5 +1,6 @@
 """OCP MXFP8: E4M3 values in blocks of 32 along each GEMM's contracted
-axis, each block with an E8M0 power-of-two scale (`keras_mp/fp8/mxfp8.py`).
+axis, each block with an E8M0 power-of-two scale (`keras_mp/fp8/mxfp8.py`);
+with `formats="mxfp8_hybrid"` the output gradient's blocks hold E5M2.
 
 Every operand is quantized from its high-precision source along the axis
 its GEMM contracts, as Transformer Engine's MXFP8 recipe does:
@@ -37,6 +38,7 @@ class Mxfp8(Quantizer):
     """MXFP8 with one rule for rounding its E8M0 scales."""
 
     name = "microblock"
+    quantizes_from_source = True
 
     def __init__(self, scale_rounding="rceil"):
         self.scale_rounding = scale_rounding
@@ -63,7 +65,7 @@ class Mxfp8(Quantizer):
         """`t` quantized in blocks along `axis` and dequantized: the
         values the GEMM multiplies; the quantization's statistics go to
         `name`'s row where asked."""
-        codes, scale = mxfp8.quantize(t, axis, self.scale_rounding)
+        codes, scale = mxfp8.quantize(t, axis, self.scale_rounding, fmt)
         values = mxfp8.dequantize(codes, scale, axis)
         if call.rows is not None and name not in call.rows:
             shape = list(ops.shape(t))
@@ -89,19 +91,22 @@ class Mxfp8(Quantizer):
         return fp8_backend.einsum_float32("mk,kn->mn", vx, vw, call.dtypes.out)
 
     def input_gradient(self, call, g):
-        vg = self._values(call, "output_gradient", g, 1)
+        vg = self._values(call, "output_gradient", g, 1, call.backward_format)
         vw = self._kernel_values(call, call.saved["w"], 1)
         return fp8_backend.einsum_float32("mn,kn->mk", vg, vw, call.dtypes.dx)
 
-    def _token_values(self, call, name, t):
+    def _token_values(self, call, name, t, fmt="e4m3"):
         """`t`'s values in blocks of 32 tokens: padded, viewed as `[tiles,
         32, columns]` (a block axis of known size, also where a traced
         TensorFlow step's token count is not) and quantized along it."""
         columns = t.shape[1]
         tiled = ops.reshape(_pad_rows(t), (-1, mxfp8.BLOCK, columns))
-        return ops.reshape(self._values(call, name, tiled, 1), (-1, columns))
+        values = self._values(call, name, tiled, 1, fmt)
+        return ops.reshape(values, (-1, columns))
 
     def kernel_gradient(self, call, g):
         vx = self._token_values(call, "input", call.saved["x"])
-        vg = self._token_values(call, "output_gradient", g)
+        vg = self._token_values(
+            call, "output_gradient", g, call.backward_format
+        )
         return fp8_backend.einsum_float32("mk,mn->kn", vx, vg, call.dtypes.dw)

@@ -114,6 +114,7 @@ class Nvfp4(Quantizer):
     and the Hadamard transform of the kernel gradient's operands."""
 
     name = "nvfp4"
+    quantizes_from_source = True
 
     def __init__(self, stochastic_rounding=True, hadamard=True):
         self.stochastic_rounding = stochastic_rounding

@@ -19,6 +19,7 @@ from keras_mp.fp8.quantizers.base import scaled
 
 class Rowwise(Quantizer):
     name = "rowwise"
+    quantizes_from_source = True
 
     def quantize(self, x, fmt, axis, margin, scale, block_shape):
         return quantize_reduced(x, fmt, axis, margin, scale)

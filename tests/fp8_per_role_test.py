@@ -1,0 +1,128 @@
+"""Per-role formats (issue 33 item 5): MXFP8 with E5M2 gradient blocks
+(`formats="mxfp8_hybrid"`, Transformer Engine's HYBRID MXFP8), and one
+role's GEMMs in high precision (`high_precision="backward"`, TE's
+`backward_override="high_precision"`; `"forward"`, e.g. NVFP4 gradients
+under a high-precision forward). Each GEMM is checked bit for bit against
+the backend's float32 GEMM of what that role multiplies."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_mp
+from keras_mp import fp8
+from keras_mp.testing import fp8_reference as reference
+from keras_mp.testing import gemm_and_gradients
+from keras_mp.testing import to_numpy
+
+
+def _operands(m=64, k=96, n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(m, k)) * np.exp2(rng.uniform(-6, 6, (m, 1)))
+    w = rng.normal(size=(k, n)) * np.exp2(rng.uniform(-6, 6, (1, n)))
+    g = rng.normal(size=(m, n)) * np.exp2(rng.uniform(-6, 6, (m, 1)))
+    return x.astype("float32"), w.astype("float32"), g.astype("float32")
+
+
+def _einsum(equation, a, b):
+    return to_numpy(
+        ops.einsum(equation, ops.convert_to_tensor(a), ops.convert_to_tensor(b))
+    )
+
+
+def _mx(t, axis, fmt="e4m3"):
+    codes, scale = reference.mx_quantize(t, axis, "rceil", fmt)
+    return reference.mx_dequantize(codes, scale, axis).astype(np.float32)
+
+
+def _run(recipe, x, w, g):
+    return gemm_and_gradients(lambda a, b: fp8.dot(a, b, recipe), x, w, g)
+
+
+def test_mxfp8_hybrid_quantizes_the_output_gradient_in_e5m2_blocks():
+    x, w, g = _operands()
+    out, dx, dw = _run(fp8.Recipe(formats="mxfp8_hybrid"), x, w, g)
+    np.testing.assert_array_equal(
+        to_numpy(out), _einsum("mk,kn->mn", _mx(x, 1), _mx(w, 0))
+    )
+    np.testing.assert_array_equal(
+        to_numpy(dx), _einsum("mn,kn->mk", _mx(g, 1, "e5m2"), _mx(w, 1))
+    )
+    np.testing.assert_array_equal(
+        to_numpy(dw), _einsum("mk,mn->kn", _mx(x, 0), _mx(g, 0, "e5m2"))
+    )
+    # E5M2 keeps 2 mantissa bits where E4M3 keeps 3: another result.
+    _, dx_e4m3, _ = _run(fp8.Recipe(formats="mxfp8"), x, w, g)
+    assert (to_numpy(dx) != to_numpy(dx_e4m3)).any()
+    assert fp8.Recipe(formats="mxfp8_hybrid").backward_format == "e5m2"
+
+
+def test_a_high_precision_backward_multiplies_the_unquantized_operands():
+    x, w, g = _operands(seed=1)
+    recipe = fp8.Recipe(formats="mxfp8", high_precision="backward")
+    out, dx, dw = _run(recipe, x, w, g)
+    expected_out, _, _ = _run(fp8.Recipe(formats="mxfp8"), x, w, g)
+    np.testing.assert_array_equal(to_numpy(out), to_numpy(expected_out))
+    np.testing.assert_array_equal(to_numpy(dx), _einsum("mn,kn->mk", g, w))
+    np.testing.assert_array_equal(to_numpy(dw), _einsum("mk,mn->kn", x, g))
+
+
+@pytest.mark.parametrize("formats", ["nvfp4", "mxfp8"])
+def test_a_high_precision_forward_keeps_the_quantized_gradients(formats):
+    x, w, g = _operands(seed=2)
+    recipe = fp8.Recipe(formats=formats, high_precision="forward")
+    out, dx, dw = _run(recipe, x, w, g)
+    _, expected_dx, expected_dw = _run(fp8.Recipe(formats=formats), x, w, g)
+    np.testing.assert_array_equal(to_numpy(out), _einsum("mk,kn->mn", x, w))
+    np.testing.assert_array_equal(to_numpy(dx), to_numpy(expected_dx))
+    np.testing.assert_array_equal(to_numpy(dw), to_numpy(expected_dw))
+
+
+def test_bad_combinations_raise_naming_the_fix():
+    with pytest.raises(ValueError, match="reuses the forward GEMM's codes"):
+        fp8.Recipe(high_precision="forward")
+    with pytest.raises(ValueError, match="reuses the forward GEMM's codes"):
+        fp8.Recipe(granularity="block", high_precision="forward")
+    with pytest.raises(ValueError, match="no scales to keep"):
+        fp8.Recipe(scaling="delayed", high_precision="backward")
+    with pytest.raises(ValueError, match="no statistics to count"):
+        fp8.Recipe(stats=True, high_precision="backward")
+    with pytest.raises(ValueError, match="high_precision"):
+        fp8.Recipe(high_precision="both")
+    recipe = fp8.Recipe(granularity="rowwise", high_precision="forward")
+    assert fp8.Recipe.from_config(recipe.get_config()) == recipe
+    assert "high_precision" not in fp8.Recipe().get_config()
+
+
+def test_a_model_trains_and_reloads_with_a_high_precision_forward(tmp_path):
+    recipe = fp8.Recipe(formats="mxfp8_hybrid", high_precision="backward")
+    keras_mp.set_global_policy("mixed_bfloat16", fp8=recipe)
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((64,)),
+                keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(4),
+            ]
+        )
+        x = np.random.default_rng(0).normal(size=(64, 64)).astype("float32")
+        model.compile(keras.optimizers.Adam(1e-2), loss="mse")
+        history = model.fit(x, x[:, :4], batch_size=16, epochs=3, verbose=0)
+        rows = keras_mp.explain_precision(model, print_fn=None)
+    finally:
+        keras_mp.set_global_policy("float32")
+    columns = [row["fp8"] for row in rows if row["class_name"] == "Dense"]
+    assert columns[0] == (
+        "current/microblock/mxfp8_hybrid backward in high precision"
+    )
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    path = tmp_path / "model.keras"
+    model.save(path)
+    restored = keras.saving.load_model(path)
+    assert restored.layers[0].dtype_policy.fp8 == recipe
+    np.testing.assert_array_equal(
+        to_numpy(restored.predict(x, verbose=0)),
+        to_numpy(model.predict(x, verbose=0)),
+    )
