@@ -3,7 +3,8 @@
 Each FP8 Dense and EinsumDense gets `Recipe(scaling="static")`: its kernel
 (LoRA merged in first) is stored as FP8 E4M3 codes (one byte a value, half
 of bfloat16's) and a power-of-two scale, its input scale is fixed, and its
-float32 kernel is gone. A frozen layer runs the same FP8 GEMM as in
+float32 kernel is gone (MXFP8 and NVFP4 layers: their own codes and block
+scales, and no input scale). A frozen layer runs the same FP8 GEMM as in
 training, forward only, and saves and reloads (`.keras`, `.weights.h5`)
 as such.
 
@@ -21,9 +22,11 @@ from keras_mp import fp8_layers
 from keras_mp import policy as policy_module
 from keras_mp.fp8 import delayed as delayed_module
 from keras_mp.fp8 import mxfp8
+from keras_mp.fp8 import nvfp4
 from keras_mp.fp8 import stats as stats_module
 from keras_mp.fp8.codes import scale_from_amax
 from keras_mp.fp8.einsum import kernel_matrix
+from keras_mp.fp8.recipe import NV_FORMATS
 from keras_mp.policy import Policy
 
 
@@ -98,6 +101,12 @@ def _drop_lora(layer):
         layer.lora_rank = None
 
 
+def _scales_each_input(recipe):
+    """Whether a layer's input is scaled by its call's own blocks (MXFP8,
+    NVFP4): its frozen form then needs no input scale."""
+    return recipe.scale_rounding is not None or recipe.formats in NV_FORMATS
+
+
 def _freeze_mx(layer, recipe, kernel):
     """An MXFP8 layer frozen: its kernel as its GEMM's `[K, N]` matrix,
     E4M3 codes and E8M0 scales in blocks of 32 along K (the forward
@@ -130,6 +139,42 @@ def _freeze_mx(layer, recipe, kernel):
     layer.trainable = False
 
 
+def _freeze_nv(layer, recipe, kernel):
+    """An NVFP4 layer frozen: its kernel as its GEMM's `[K, N]` matrix,
+    quantized as training's forward quantizes it (16x16 tiles, round to
+    nearest even): E2M1 codes packed two a byte along K (`[K / 2, N]`),
+    the tiles' E4M3 scales (`[K / 16, N / 16]`) and the tensor scale."""
+    if isinstance(layer, keras.layers.EinsumDense):
+        permutation, k, n = kernel_matrix(layer.equation, kernel.shape)
+        kernel = np.transpose(kernel, permutation).reshape(k, n)
+    tile = (nvfp4.BLOCK_SIZE, nvfp4.BLOCK_SIZE)
+    codes, (block, tensor_scale) = nvfp4.quantize(kernel, block_shape=tile)
+    packed = keras.ops.convert_to_numpy(nvfp4.pack(codes, 0))
+    # As bit patterns: not every backend converts FP8 tensors to NumPy.
+    block = keras.ops.convert_to_numpy(keras.ops.cast(block, "float32"))
+    block = block.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    _drop_lora(layer)
+    policy = Policy(
+        policy_module.layer_policy(layer).name,
+        loss_scale=None,
+        fp8=fp8.Recipe(
+            scaling="static",
+            formats=recipe.formats,
+            stochastic_rounding=recipe.stochastic_rounding,
+            hadamard=recipe.hadamard,
+        ),
+    )
+    _keras_internals.replace_layer_policy(layer, policy)
+    fp8_layers.sync_stats_carrier(layer)
+    state = fp8_layers.static_state(layer)
+    state["fp8_kernel_codes"].assign(packed)
+    state["fp8_kernel_scale"].assign(block)
+    state["fp8_kernel_tensor_scale"].assign(
+        keras.ops.convert_to_numpy(tensor_scale)
+    )
+    layer.trainable = False
+
+
 def freeze(model, calibration_data=None):
     """Makes a trained FP8 model an inference model, in place.
 
@@ -142,8 +187,16 @@ def freeze(model, calibration_data=None):
     (`Recipe(formats="mxfp8")`) stores the codes of its GEMM's `[K, N]`
     kernel and their E8M0 block scales along K (uint8, `[K / 32, N]`:
     1.03 bytes a weight) and scales each call's input by its own blocks,
-    as in training, so it needs no input scale; its float32 kernel, statistics carrier
-    and delayed state are removed. A frozen layer runs the FP8 GEMM it
+    as in training, so it needs no input scale. An NVFP4 layer
+    (`Recipe(formats="nvfp4")`) stores its GEMM's `[K, N]` kernel as
+    training's forward quantizes it (16x16 tiles, round to nearest even):
+    E2M1 codes two a byte along K (uint8 `[K / 2, N]`, the first code of
+    a pair in the low nibble), the tiles' E4M3 scales (uint8 bits,
+    `[K / 16, N / 16]`) and the float32 tensor scale
+    (`fp8_kernel_tensor_scale`): 0.504 bytes a weight; its GEMM takes
+    those values as they are, and each call's input is quantized as in
+    training. A layer's float32 kernel, statistics carrier and delayed
+    state are removed. A frozen layer runs the FP8 GEMM it
     trained with, forward only, and raises if called with
     `training=True`. The model saves and reloads (`.keras`,
     `.weights.h5` into a frozen model) and predicts as it did.
@@ -182,11 +235,6 @@ def freeze(model, calibration_data=None):
             "it with FP8 first, e.g. under `keras_mp.set_global_policy("
             "'mixed_bfloat16', fp8=True)`."
         )
-    nvfp4 = [
-        layer.name
-        for layer in layers
-        if fp8_layers.layer_recipe(layer).formats == "nvfp4"
-    ]
     unquantized = [
         layer.name
         for layer in layers
@@ -200,14 +248,6 @@ def freeze(model, calibration_data=None):
             "codes would change their outputs. Received: those layers. "
             "Keep them as they are for inference."
         )
-    if nvfp4:
-        raise ValueError(
-            "`keras_mp.fp8.freeze` stores E4M3 and MXFP8 kernels; NVFP4 "
-            f"layers cannot be frozen yet. Received: layers {nvfp4} with "
-            "formats='nvfp4'. Keep them as they are for inference (their "
-            "forward GEMM runs NVFP4), or train with formats='mxfp8' to "
-            "freeze."
-        )
     frozen = [
         layer.name
         for layer in layers
@@ -218,11 +258,12 @@ def freeze(model, calibration_data=None):
             f"Layers {frozen} are frozen already. Received: model="
             f"{model.name!r}. Freeze the trained model once."
         )
-    # MXFP8 scales each call's input by its own blocks: no input scale.
+    # MXFP8 and NVFP4 scale each call's input by its own blocks: no
+    # input scale.
     scales = {
         layer: _input_scale(layer, fp8_layers.layer_recipe(layer))
         for layer in layers
-        if fp8_layers.layer_recipe(layer).scale_rounding is None
+        if not _scales_each_input(fp8_layers.layer_recipe(layer))
     }
     missing = [layer for layer, scale in scales.items() if scale is None]
     if missing and calibration_data is None:
@@ -240,6 +281,9 @@ def freeze(model, calibration_data=None):
     for layer in layers:
         recipe = fp8_layers.layer_recipe(layer)
         kernel = _merged_kernel(layer)
+        if recipe.formats in NV_FORMATS:
+            _freeze_nv(layer, recipe, kernel)
+            continue
         if recipe.scale_rounding is not None:
             _freeze_mx(layer, recipe, kernel)
             continue

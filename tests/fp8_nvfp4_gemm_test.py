@@ -10,7 +10,10 @@ dequantized operands (`fp8_reference.nv_quantize`, with the random bits of
 `fp8_reference.nv_rounding_bits`).
 """
 
+import math
+
 import keras
+import ml_dtypes
 import numpy as np
 import pytest
 from keras import ops
@@ -184,8 +187,11 @@ def test_the_recipe_says_what_goes_with_nvfp4():
         fp8.Recipe(formats="nvfp4", margin=1)
     with pytest.raises(ValueError, match="Leave `scale_rounding` as None"):
         fp8.Recipe(formats="nvfp4", scale_rounding="rceil")
-    with pytest.raises(ValueError, match="Leave `stats` as False"):
-        fp8.Recipe(formats="nvfp4", stats=True)
+    with pytest.raises(ValueError, match='scaling="current" with formats'):
+        fp8.Recipe(formats="nvfp4", scaling="delayed", stats=True)
+    # Statistics, and the static recipe of a frozen layer (`fp8.freeze`).
+    assert fp8.Recipe(formats="nvfp4", stats=True).stats is True
+    assert fp8.Recipe(formats="nvfp4", scaling="static").scaling == "static"
     for option in ("stochastic_rounding", "hadamard"):
         with pytest.raises(ValueError, match='use formats="nvfp4"'):
             fp8.Recipe(**{option: True})
@@ -338,3 +344,232 @@ def test_a_keras_hub_decoder_keeps_its_first_and_last_blocks_and_trains():
     assert len(columns) == 18
     losses = history.history["loss"]
     assert losses[-1] < losses[0]
+
+
+# ------------------------------------------------------------- statistics
+def _reference_bin(amax):
+    """The histogram bin of a float32 `amax` (`fp8/stats.py`), from
+    `np.frexp`."""
+    if not np.isfinite(amax):
+        return 510
+    if amax < 2.0**-126:
+        return 0
+    mantissa, exponent = np.frexp(float(amax))
+    return 2 * (exponent - 1 + 127) + int(mantissa > 0.875)
+
+
+def _reference_row(t, axis=None, role=None):
+    """The statistics row of `t` quantized as the oracle quantizes it
+    (1x16 blocks along `axis`, 16x16 tiles where None, stochastically
+    rounded for `role`): flushed, a non-zero value dequantized to zero
+    (code ±0, or a block scale of 0); saturated, `|t * enc_block|` above 6
+    in a block of finite, non-zero scale."""
+    t = np.asarray(t, np.float32)
+    bits = None if role is None else reference.nv_rounding_bits(t, role)
+    block_shape = (16, 16) if axis is None else None
+    axis = -1 if axis is None else axis
+    codes, (block, s_enc) = reference.nv_quantize(
+        t, axis, block_shape, random_bits=bits
+    )
+    decode = block.astype(np.float32)
+    if block_shape is None:
+        decode = np.repeat(decode, 16, axis=axis)
+    else:
+        decode = np.repeat(np.repeat(decode, 16, 0), 16, 1)
+    tiny = np.abs(t) < np.finfo(np.float32).tiny
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        encode = np.minimum(
+            np.float32(1) / (decode * (np.float32(1) / np.float32(s_enc))),
+            np.finfo(np.float32).max,
+        )
+        scaled = np.where(tiny, np.float32(0), t) * encode
+    finite = ~np.isnan(decode)
+    row = np.zeros(515)
+    row[_reference_bin(np.abs(t).max())] = 1
+    row[512] = t.size
+    row[513] = np.sum((t != 0) & finite & (((codes & 7) == 0) | (decode == 0)))
+    row[514] = np.sum(finite & (decode > 0) & (np.abs(scaled) > 6))
+    return row
+
+
+def _statistics_operands():
+    x, w, g = _operands(m=32, k=48, n=32, seed=3)
+    # Values far below their block's largest: codes ±0, and a block 2**-30
+    # below the tensor's amax, whose E4M3 scale is 0.
+    x[0, 1:4] *= 1e-3
+    w[16:32, 0:16] *= 2.0**-30
+    g[:, 5] *= 1e-2
+    return x, w, g
+
+
+@pytest.mark.parametrize("stochastic_rounding", [True, False])
+def test_statistics_count_each_roles_e2m1_codes_as_numpy_does(
+    stochastic_rounding,
+):
+    recipe = fp8.Recipe(
+        formats="nvfp4", stats=True, stochastic_rounding=stochastic_rounding
+    )
+    x, w, g = _statistics_operands()
+    carrier = np.zeros((3, 515), "float32")
+    _, _, got = gemm_and_gradients(
+        lambda a, c: fp8.dot(a, w, recipe, stats=c), x, carrier, g
+    )
+    got = to_numpy(got)
+    role = "input_gradient" if stochastic_rounding else None
+    want = np.stack(
+        [_reference_row(x, 1), _reference_row(w), _reference_row(g, 1, role)]
+    )
+    np.testing.assert_array_equal(got, want)
+    # Something to count in every row: flushed and saturated values.
+    assert (got[:, 513] > 0).all() and (got[:, 514] > 0).all()
+    # The zero-scale tile's 256 values are flushed, none saturated.
+    assert got[1, 513] >= 256
+    # Statistics change no number of the GEMMs.
+    plain = fp8.Recipe(formats="nvfp4", stochastic_rounding=stochastic_rounding)
+    counted = gemm_and_gradients(
+        lambda a, b: fp8.dot(a, b, recipe, stats=carrier), x, w, g
+    )
+    for a, b in zip(
+        counted, gemm_and_gradients(lambda a, b: fp8.dot(a, b, plain), x, w, g)
+    ):
+        np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
+
+
+def _stats_model(policy):
+    inputs = keras.Input((64,))
+    hidden = keras.layers.Dense(96, activation="relu", dtype=policy, name="a")
+    hidden = hidden(inputs)
+    hidden = keras.layers.Dense(32, dtype=policy, name="b")(hidden)
+    return keras.Model(inputs, keras.layers.Dense(4, name="head")(hidden))
+
+
+def test_report_names_nvfp4_e2m1_and_the_amaxs_block_scale():
+    policy = keras_mp.Policy(
+        "mixed_bfloat16", fp8=fp8.Recipe(formats="nvfp4", stats=True)
+    )
+    keras.utils.set_random_seed(0)
+    model = _stats_model(policy)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(128, 64)).astype("float32")
+    y = (x[:, :4] > 0).astype("float32")
+    printed = []
+    model.compile(keras.optimizers.Adam(1e-3), loss="mse")
+    model.fit(
+        x,
+        y,
+        batch_size=32,
+        verbose=0,
+        callbacks=[
+            keras_mp.callbacks.FP8Report(saturated=0.0, print_fn=printed.append)
+        ],
+    )
+    report = fp8.report(model)
+    assert len(report) == 6
+    assert {row.format for row in report} == {"nvfp4 e2m1"}
+    for row in report:
+        # The amax's block: E4M3 scale 448 over `S_enc = 2688 / amax`.
+        assert row.amax_low / 6 <= row.scale <= row.amax_high / 6
+        assert row.count > 0 and 0 <= row.flushed < 1
+    # The round-to-nearest E4M3 block scales leave some values above 6.
+    assert printed and "nvfp4 e2m1" in printed[0]
+    assert "nvfp4 e2m1" in str(report)
+
+
+def _float16_carrier(scaled):
+    keras.utils.set_random_seed(0)
+    recipe = fp8.Recipe(formats="nvfp4", stats=True, stochastic_rounding=False)
+    policy = keras_mp.Policy("mixed_float16", loss_scale=None, fp8=recipe)
+    model = _stats_model(policy)
+    optimizer = keras.optimizers.SGD(0.01)
+    if scaled:
+        optimizer = keras_mp.LossScaleOptimizer(optimizer)
+    model.compile(optimizer, loss="mse", auto_scale_loss=scaled)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 64)).astype("float32")
+    model.train_on_batch(x, rng.normal(size=(16, 4)).astype("float32"))
+    carrier = next(
+        v for v in model.get_layer("b").weights if v.path.endswith("fp8_stats")
+    )
+    return model, to_numpy(carrier)
+
+
+def test_under_loss_scaling_the_nvfp4_gradient_row_is_loss_scale_free():
+    # Round to nearest: a power-of-two loss scale changes no E2M1 code.
+    scaled_model, scaled = _float16_carrier(True)
+    assert float(to_numpy(scaled_model.optimizer.loss_scale())) == 2.0**15
+    _, plain = _float16_carrier(False)
+    np.testing.assert_array_equal(scaled, plain)
+    assert plain[2, 512] == 16 * 32
+
+
+# ----------------------------------------------------------------- freeze
+def _weight_bytes(layer):
+    return sum(
+        math.prod(v.shape)
+        * np.dtype(keras.backend.standardize_dtype(v.dtype)).itemsize
+        for v in layer.weights
+        if v is not getattr(layer, "bias", None)
+    )
+
+
+@pytest.mark.parametrize("kind", ["dense", "einsum"])
+def test_freeze_stores_packed_e2m1_codes_and_e4m3_scales_and_predicts_the_same(
+    kind, tmp_path
+):
+    policy = keras_mp.Policy("mixed_bfloat16", fp8=RECIPE)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 64))
+    if kind == "dense":
+        layer = keras.layers.Dense(96, activation="relu", dtype=policy)
+        hidden = layer(inputs)
+    else:
+        layer = keras.layers.EinsumDense(
+            "abc,cde->abde",
+            (8, 3, 32),
+            bias_axes="de",
+            activation="relu",
+            dtype=policy,
+        )
+        hidden = keras.layers.Reshape((8, 96))(layer(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
+    x = np.random.default_rng(0).normal(size=(16, 8, 64)).astype("float32")
+    model.compile(keras.optimizers.Adam(1e-2), loss="mse")
+    model.fit(x, x[..., :4], batch_size=8, epochs=2, verbose=0)
+    # The GEMM's [K, N] kernel, as training's forward quantized it.
+    matrix = to_numpy(layer.kernel).reshape(64, 96)
+    codes, (block, tensor_scale) = reference.nv_quantize(
+        matrix, block_shape=(16, 16)
+    )
+    before = to_numpy(model.predict(x, verbose=0))
+    fp8.freeze(model)
+    assert layer.dtype_policy.fp8 == fp8.Recipe(
+        formats="nvfp4", scaling="static"
+    )
+    state = {v.name: v for v in layer.weights}
+    assert set(state) - {"bias"} == {
+        "fp8_kernel_codes",
+        "fp8_kernel_scale",
+        "fp8_kernel_tensor_scale",
+    }
+    # Two codes a byte along K, the first in the low nibble.
+    np.testing.assert_array_equal(
+        to_numpy(state["fp8_kernel_codes"]), reference.nv_pack(codes, 0)
+    )
+    np.testing.assert_array_equal(
+        to_numpy(state["fp8_kernel_scale"]),
+        block.astype(ml_dtypes.float8_e4m3fn).view(np.uint8),
+    )
+    assert to_numpy(state["fp8_kernel_tensor_scale"]) == tensor_scale
+    # 64 x 96 weights: half a byte each, one E4M3 byte per 16x16 tile,
+    # and the four bytes of the tensor scale.
+    assert _weight_bytes(layer) / (64 * 96) == 0.5 + 1 / 256 + 4 / (64 * 96)
+    after = to_numpy(model.predict(x, verbose=0))
+    np.testing.assert_array_equal(after, before)
+    with pytest.raises(ValueError, match="frozen for inference"):
+        model(x, training=True)
+    path = tmp_path / "frozen.keras"
+    model.save(path)
+    restored = keras.saving.load_model(path)
+    np.testing.assert_array_equal(
+        to_numpy(restored.predict(x, verbose=0)), before
+    )

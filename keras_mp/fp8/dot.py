@@ -28,7 +28,13 @@ from keras_mp.fp8.codes import check_float
 
 
 def _check_operands(x, kernel, recipe, output_dtype, delayed=None):
-    if recipe.scaling != "current" and delayed is None:
+    # A frozen NVFP4 layer's recipe (`scaling="static"`): its kernel
+    # holds NVFP4 values already, and each call's input is scaled anew.
+    frozen_nv = (
+        recipe.scaling == "static"
+        and recipe.formats in recipe_module.NV_FORMATS
+    )
+    if recipe.scaling != "current" and delayed is None and not frozen_nv:
         raise ValueError(
             "`fp8.dot` takes its scales from the operands of this step "
             '(scaling="current"); delayed scales live in an FP8 layer\'s '
@@ -85,7 +91,11 @@ def dot(x, kernel, recipe=None, output_dtype=None, stats=None, delayed=None):
             `granularity="block"`, `K` and `N` are multiples of 128.
         recipe: A `keras_mp.fp8.Recipe` with `scaling="current"`, `True`
             or a config dict. Defaults to `None`, the default recipe
-            (tensorwise, hybrid).
+            (tensorwise, hybrid). `Recipe(formats="nvfp4",
+            scaling="static")` is a frozen NVFP4 layer's: `kernel` then
+            holds the dequantized values of its 16x16 tiles (as
+            `keras_mp.fp8.freeze` stored them), which no GEMM quantizes
+            again.
         output_dtype: The dtype of the result. Defaults to `None`, the
             dtype of `x`. Gradients take the dtypes of `x` and `kernel`.
         stats: A float32 "carrier" of shape `(3, 515)` (an FP8 layer's

@@ -244,16 +244,73 @@ def quantize(x, axis=-1, block_shape=None, tensor_amax=None, random_bits=None):
     blocks = ops.reshape(x32, tiled)
     scale = block_scale(backend_fp8.amax(blocks, block_axes), s_enc)
     decode = ops.cast(scale, "float32")
-    encode = ops.minimum(
-        ops.divide(1.0, ops.multiply(decode, ops.divide(1.0, s_enc))),
-        FLOAT32_MAX,
-    )
+    encode = _encode_scale(decode, s_enc)
     scaled = ops.clip(ops.multiply(blocks, encode), -E2M1_MAX, E2M1_MAX)
     scaled = ops.where(ops.isnan(decode), 0.0, scaled)
     if random_bits is not None:
         random_bits = ops.reshape(random_bits, tiled)
     codes = ops.reshape(_encode_e2m1(scaled, random_bits), ops.shape(x))
     return codes, (ops.squeeze(scale, block_axes), s_enc)
+
+
+def _encode_scale(decode, s_enc):
+    """`min(1 / (dec_block * (1 / S_enc)), FLT_MAX)`: what a block's
+    values are multiplied by before their E2M1 rounding."""
+    return ops.minimum(
+        ops.divide(1.0, ops.multiply(decode, ops.divide(1.0, s_enc))),
+        FLOAT32_MAX,
+    )
+
+
+def flushed_and_saturated(x, codes, scale, axis=-1, block_shape=None):
+    """Where `quantize` flushed and where it saturated `x`, given the
+    codes and scales it returned for `x`.
+
+    Flushed: a non-zero value (float32 subnormals included) whose
+    dequantized value is zero: its E2M1 code is ±0 (with stochastic
+    rounding, as the random bits rounded it), or its block's E4M3 scale
+    is 0 (a block below the tensor's amax by more than E4M3 spans).
+    Saturated: a value whose `|x * enc_block|` (`enc_block` the inverse of
+    the block's `dec_block / S_enc`) was above 6 before the clip to 6,
+    in a block of finite, non-zero scale. Blocks holding inf or NaN (NaN
+    scales) count in neither.
+
+    Args:
+        x: The floating point tensor `quantize` quantized.
+        codes: Its codes, one a byte.
+        scale: Its `(block_scale, tensor_scale)`.
+        axis: The axis of the 1x16 blocks. Defaults to `-1`.
+        block_shape: `(16, 16)` for 16x16 tiles. Defaults to `None`.
+
+    Returns:
+        `(flushed, saturated)`: boolean tensors of `x`'s shape.
+    """
+    x = ops.convert_to_tensor(x)
+    tiled, block_axes = _blocks(x, axis, block_shape)
+    block, s_enc = scale
+    decode = ops.cast(ops.convert_to_tensor(block), "float32")
+    for block_axis in block_axes:
+        decode = ops.expand_dims(decode, block_axis)
+    x32 = ops.cast(x, "float32")
+    # The values `quantize` scaled: subnormals as zero.
+    flushed_x = ops.where(
+        ops.abs(x32) < FLOAT32_MIN, ops.multiply(x32, 0.0), x32
+    )
+    blocks = ops.reshape(flushed_x, tiled)
+    scaled = ops.multiply(blocks, _encode_scale(decode, s_enc))
+    finite = ops.logical_not(ops.isnan(decode))
+    magnitude = ops.bitwise_and(ops.cast(ops.reshape(codes, tiled), "int32"), 7)
+    zero = ops.logical_or(ops.equal(magnitude, 0), ops.equal(decode, 0.0))
+    flushed = ops.logical_and(
+        ops.logical_and(ops.reshape(ops.not_equal(x32, 0.0), tiled), zero),
+        finite,
+    )
+    saturated = ops.logical_and(
+        ops.logical_and(finite, ops.greater(decode, 0.0)),
+        ops.abs(scaled) > E2M1_MAX,
+    )
+    shape = ops.shape(x)
+    return ops.reshape(flushed, shape), ops.reshape(saturated, shape)
 
 
 def _encode_e2m1(y, random_bits):

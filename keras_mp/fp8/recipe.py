@@ -142,7 +142,7 @@ def _check_mx(formats, granularity, scale_rounding, scaling, margin):
     return own, scale_rounding
 
 
-def _check_nv(formats, granularity, scaling, margin, stats, options):
+def _check_nv(formats, granularity, scaling, margin, options):
     """The granularity, stochastic rounding and Hadamard transform a
     recipe of `formats` takes, or a ValueError naming the fix."""
     if formats not in NV_FORMATS:
@@ -164,7 +164,9 @@ def _check_nv(formats, granularity, scaling, margin, stats, options):
             'Leave `granularity` as None, or use formats="hybrid" or "e4m3" '
             "for other granularities."
         )
-    if scaling != "current":
+    # "static" is a frozen layer's (`keras_mp.fp8.freeze`): its kernel's
+    # codes and scales stored, each input's scales from its call.
+    if scaling == "delayed":
         raise ValueError(
             f"formats={formats!r} takes its tensor and block scales from "
             "this step's values (current scaling), with no history. "
@@ -177,14 +179,6 @@ def _check_nv(formats, granularity, scaling, margin, stats, options):
             f"formats={formats!r} maps each tensor's amax to 448 * 6 (its "
             "tensor scale) and each block's to its E4M3 scale, with no "
             f"margin. Received: margin={margin!r}. Leave `margin` as 0."
-        )
-    if stats is True:
-        raise ValueError(
-            f"formats={formats!r} does not count FP8 statistics yet: "
-            "`keras_mp.fp8.report` reads power-of-two E4M3 / E5M2 scales, "
-            "and NVFP4's are E4M3 block scales over a float32 tensor scale. "
-            f"Received: formats={formats!r}, stats=True. Leave `stats` as "
-            'False, or use formats="mxfp8" or "hybrid" to count them.'
         )
     resolved = []
     for name, value in options.items():
@@ -251,7 +245,9 @@ class Recipe:
             `keras_mp.fp8.freeze` gives a layer for inference: a fixed
             input scale and the kernel stored as FP8 codes and its scale
             (tensorwise; with `formats="mxfp8"`, the kernel's codes and
-            E8M0 block scales, and the input's scales from each call).
+            E8M0 block scales, with `formats="nvfp4"` its packed E2M1
+            codes, E4M3 tile scales and tensor scale, and in both the
+            input's scales from each call).
             Defaults to `"current"`.
         granularity: How many values share a scale. `"tensorwise"`: one
             per tensor. `"rowwise"`: one per row of the contracted
@@ -278,8 +274,8 @@ class Recipe:
             in blocks of 16 with E4M3 block scales and a float32 tensor
             scale; inputs and output gradients in 1x16
             blocks along each GEMM's contracted axis, the kernel in 16x16
-            tiles that serve both of its GEMMs; current scaling, no margin,
-            no statistics; see `keras_mp/fp8/quantizers/nvfp4.py`).
+            tiles that serve both of its GEMMs; current scaling, no
+            margin; see `keras_mp/fp8/quantizers/nvfp4.py`).
             Defaults to `"hybrid"`.
         margin: The scale leaves `2**margin` of headroom below the format's
             largest value. Defaults to `0`.
@@ -292,8 +288,10 @@ class Recipe:
             (the amax, flushed and saturated values of its input, kernel
             and output gradient) for `keras_mp.fp8.report`. A layer then
             has one more trainable variable, `fp8_stats`, that the
-            optimizer overwrites with each step's statistics. Defaults to
-            `False` (no statistics, no extra work).
+            optimizer overwrites with each step's statistics (with
+            `formats="nvfp4"`: of the E2M1 codes, each value with its
+            block's scale over the tensor scale). Defaults to `False` (no
+            statistics, no extra work).
         scale_rounding: With `formats="mxfp8"`, how a block's E8M0 scale
             is rounded: `"rceil"`, the power of two at or above
             `amax / 448` (Transformer Engine's, JAX's and torchao's
@@ -359,7 +357,6 @@ class Recipe:
             granularity,
             scaling,
             margin,
-            stats,
             {"stochastic_rounding": stochastic_rounding, "hadamard": hadamard},
         )
         if formats in NV_FORMATS:
@@ -398,6 +395,7 @@ class Recipe:
             scaling != "current"
             and granularity != "tensorwise"
             and formats not in MX_FORMATS
+            and formats not in NV_FORMATS
         ):
             raise ValueError(
                 f"{scaling.capitalize()} scaling keeps one scale per tensor "

@@ -3,8 +3,10 @@
 Reads each layer's statistics carrier (`stats.py`; one host read, at report
 time) and turns it into rows: per layer and tensor (input, kernel, output
 gradient), the format, the amax as its histogram bin's range, the exact
-scale that amax gets (for MXFP8: the E8M0 scale of the block holding it),
-and the fractions of values saturated and flushed to zero.
+scale that amax gets (for MXFP8: the E8M0 scale of the block holding it;
+for NVFP4: the block's E4M3 scale over the tensor scale, `448 / S_enc`,
+about `amax / 6`, as exact as the bin's amax), and the fractions of values
+saturated and flushed to zero.
 
 Imports only `keras_mp._keras_internals` and its `keras_mp.fp8` siblings.
 """
@@ -16,8 +18,10 @@ import numpy as np
 
 from keras_mp import _keras_internals
 from keras_mp.fp8 import mxfp8
+from keras_mp.fp8 import nvfp4
 from keras_mp.fp8 import stats as stats_module
 from keras_mp.fp8.codes import scale_from_amax
+from keras_mp.fp8.recipe import NV_FORMATS
 
 _HOW_TO_COUNT = (
     "e.g. `keras_mp.set_global_policy('mixed_bfloat16', "
@@ -45,7 +49,9 @@ ReportRow.__doc__ = """One tensor of one FP8 layer in its last step.
 `amax_low` and `amax_high` bound the tensor's largest magnitude (the range
 of its histogram bin; over several calls in a step, from the lowest to the
 highest bin; inf where it overflowed); `scale` is the power-of-two scale of
-the highest amax; `saturated` and `flushed` are fractions of `count`
+the highest amax (MXFP8: its block's E8M0 scale; NVFP4: its block's
+dequantization scale `448 / S_enc`, from a representative amax of its
+bin, about `amax / 6`); `saturated` and `flushed` are fractions of `count`
 values.
 """
 
@@ -129,7 +135,14 @@ def _recipe(layer):
 
 
 def _scale(amax, fmt, recipe):
-    """The scale `amax` gets: a tensor's, or its MX block's E8M0 scale."""
+    """The scale `amax` gets: a tensor's, its MX block's E8M0 scale, or
+    its NVFP4 block's `dec_block / S_enc`."""
+    if recipe.formats in NV_FORMATS:
+        # The block holding the tensor's amax takes the E4M3 scale 448 (its
+        # amax times `S_enc / 6`, `S_enc = 2688 / amax`): its values are
+        # E2M1 codes times `448 / S_enc`, about `amax / 6`.
+        s_enc = nvfp4.tensor_scale(np.float32(amax))
+        return float(keras.ops.convert_to_numpy(nvfp4.E4M3_MAX / s_enc))
     if recipe.scale_rounding is not None:
         code = mxfp8.e8m0_from_amax(
             np.float32(amax), recipe.scale_rounding, fmt
@@ -153,9 +166,10 @@ def _layer_rows(path, recipe, values):
             ReportRow(
                 layer=path,
                 tensor=tensor,
-                # MX: the format and its elements' ("mxfp8 e5m2").
+                # MX and NVFP4: the format and its elements' ("mxfp8
+                # e5m2", "nvfp4 e2m1").
                 format=fmt
-                if recipe.scale_rounding is None
+                if recipe.granularity not in ("microblock", "nvfp4")
                 else f"{recipe.formats.split('_')[0]} {fmt}",
                 amax_low=low,
                 amax_high=high,
@@ -180,7 +194,9 @@ def report(model):
     fractions saturated (|x / scale| above the format's largest value
     before the clip) and flushed to zero (a non-zero value whose code is
     zero), each value with its own scale (per row or tile with
-    `"rowwise"` and `"block"`). A layer called several times in a step
+    `"rowwise"` and `"block"`, per block with MXFP8; with NVFP4, E2M1's 6
+    and the block's `dec_block / S_enc`, the output gradient counted as
+    its stochastic rounding rounded it). A layer called several times in a step
     shows its amax as the range from the lowest to the highest bin and
     the summed counts; under tf.distribute replicas and over an
     accumulation window, the bins of all and the

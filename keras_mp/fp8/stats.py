@@ -20,7 +20,12 @@ power-of-two scale exactly (inf and NaN: bins 510 and 511); then `[512]` the
 number of elements, `[513]` the number flushed (a non-zero value whose FP8
 code is zero), `[514]` the number saturated (a finite `|x / scale|` above
 the format's largest value before the clip; never under current scaling,
-counted all the same for delayed scaling to reuse this channel).
+counted all the same for delayed scaling to reuse this channel). NVFP4
+counts its E2M1 codes itself (`counted_row`): a value is flushed where it
+is non-zero and dequantizes to zero (as stochastic rounding rounded it,
+for the output gradient), saturated where `|x|` was above 6 times its
+block's scale over the tensor scale (`dec_block / S_enc`) before the clip;
+the amax bin is the tensor's, as for every format.
 
 Autodiff sums a carrier's gradient over the calls of a layer in a step (and
 over the batch's shards under JAX's `DataParallel`); each GEMM's backward
@@ -86,21 +91,35 @@ def tensor_row(x, scale, fmt, counts=True, amax=None):
         A float32 tensor of shape `(STATS_WIDTH,)`.
     """
     fmax = FORMATS[fmt][1]
-    if amax is None:
-        amax = backend_fp8.amax(x, None)
-    histogram = ops.one_hot(
-        ops.reshape(amax_bin(amax), ()), HISTOGRAM_BINS, dtype="float32"
-    )
     if not counts:
         # Delayed scaling needs the amax alone: no pass over `x` for the
         # flushed and saturated counts (left 0).
         size = ops.reshape(ops.cast(ops.size(x), "float32"), (1,))
-        return ops.concatenate([histogram, size, ops.zeros((2,), "float32")])
+        return ops.concatenate(
+            [_histogram(x, amax), size, ops.zeros((2,), "float32")]
+        )
     y = x / scale
     flushed = ops.logical_and(
         ops.not_equal(x, 0.0), ops.abs(y) <= _HALF_SMALLEST_SUBNORMAL[fmt]
     )
     saturated = ops.logical_and(ops.isfinite(y), ops.abs(y) > fmax)
+    return counted_row(x, flushed, saturated, amax)
+
+
+def counted_row(x, flushed, saturated, amax=None):
+    """The statistics row of float32 `x` whose quantization counted its
+    own flushed and saturated values (NVFP4's, from its codes and two-level
+    scales: `keras_mp.fp8.nvfp4.flushed_and_saturated`).
+
+    Args:
+        x: The float32 tensor that was quantized.
+        flushed: A boolean tensor of `x`'s shape: the values flushed.
+        saturated: A boolean tensor of `x`'s shape: the values saturated.
+        amax: `x`'s amax, where already known. Defaults to `None`.
+
+    Returns:
+        A float32 tensor of shape `(STATS_WIDTH,)`.
+    """
     counts = ops.stack(
         [
             ops.cast(ops.size(x), "float32"),
@@ -108,7 +127,16 @@ def tensor_row(x, scale, fmt, counts=True, amax=None):
             ops.sum(ops.cast(saturated, "float32")),
         ]
     )
-    return ops.concatenate([histogram, counts])
+    return ops.concatenate([_histogram(x, amax), counts])
+
+
+def _histogram(x, amax=None):
+    """The one-hot histogram of `x`'s amax (NaN counted as inf)."""
+    if amax is None:
+        amax = backend_fp8.amax(x, None)
+    return ops.one_hot(
+        ops.reshape(amax_bin(amax), ()), HISTOGRAM_BINS, dtype="float32"
+    )
 
 
 def remove_loss_scale(stats, loss_scale):

@@ -14,8 +14,10 @@ from keras_mp import fp8
 from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.fp8 import delayed as delayed_module
 from keras_mp.fp8 import mxfp8
+from keras_mp.fp8 import nvfp4
 from keras_mp.fp8 import rules as rules_module
 from keras_mp.fp8.einsum import kernel_matrix
+from keras_mp.fp8.recipe import NV_FORMATS
 from keras_mp.fp8_layers import lora
 from keras_mp.fp8_layers.decisions import layer_recipe
 from keras_mp.fp8_layers.state import delayed_scaling
@@ -41,6 +43,8 @@ def _static_output(layer, recipe, inputs, training, equation=None):
             "`predict` or `model(x)`."
         )
     state = static_state(layer)
+    if recipe.formats in NV_FORMATS:
+        return _static_nv_output(layer, recipe, inputs, state, equation)
     if recipe.scale_rounding is not None:
         return _static_mx_output(layer, recipe, inputs, state, equation)
     ops = keras.ops
@@ -76,22 +80,51 @@ def _static_mx_output(layer, recipe, inputs, state, equation):
     matrix = mxfp8.dequantize(
         ops.cast(codes, "float8_e4m3fn"), stored(state["fp8_kernel_scale"]), 0
     )
-    kernel = matrix
-    if equation is not None:
-        shape = layer._keras_mp_fp8_kernel_shape
-        permutation, _, _ = kernel_matrix(equation, shape)
-        kernel = ops.reshape(matrix, [shape[i] for i in permutation])
-        kernel = ops.transpose(kernel, np.argsort(permutation).tolist())
     current = fp8.Recipe(
         formats=recipe.formats, scale_rounding=recipe.scale_rounding
     )
     return _gemm(
         equation,
         inputs,
-        kernel,
+        _layer_kernel(layer, matrix, equation),
         recipe=current,
         output_dtype=layer.compute_dtype,
     )
+
+
+def _static_nv_output(layer, recipe, inputs, state, equation):
+    """A frozen NVFP4 layer's GEMM: its packed E2M1 codes, E4M3 tile
+    scales and tensor scale dequantized to the values training's forward
+    multiplied, which the static recipe's GEMM takes as they are, and the
+    input quantized by the call, as in training."""
+    ops = keras.ops
+    codes = nvfp4.unpack(stored(state["fp8_kernel_codes"]), 0)
+    block = ops.take(
+        _E4M3_VALUES, ops.cast(stored(state["fp8_kernel_scale"]), "int32")
+    )
+    tile = (nvfp4.BLOCK_SIZE, nvfp4.BLOCK_SIZE)
+    matrix = nvfp4.dequantize(
+        codes,
+        (block, stored(state["fp8_kernel_tensor_scale"])),
+        block_shape=tile,
+    )
+    return _gemm(
+        equation,
+        inputs,
+        _layer_kernel(layer, matrix, equation),
+        recipe=recipe,
+        output_dtype=layer.compute_dtype,
+    )
+
+
+def _layer_kernel(layer, matrix, equation):
+    """The kernel of its layer's shape whose GEMM matrix is `matrix`."""
+    if equation is None:
+        return matrix
+    shape = layer._keras_mp_fp8_kernel_shape
+    permutation, _, _ = kernel_matrix(equation, shape)
+    kernel = keras.ops.reshape(matrix, [shape[i] for i in permutation])
+    return keras.ops.transpose(kernel, np.argsort(permutation).tolist())
 
 
 def _gemm(equation, inputs, kernel, **kwargs):

@@ -11,8 +11,10 @@ import keras
 from keras_mp import _keras_internals
 from keras_mp.fp8 import delayed as delayed_module
 from keras_mp.fp8 import mxfp8
+from keras_mp.fp8 import nvfp4
 from keras_mp.fp8 import stats as stats_module
 from keras_mp.fp8.einsum import kernel_matrix
+from keras_mp.fp8.recipe import NV_FORMATS
 from keras_mp.fp8_layers.decisions import check_layer
 from keras_mp.fp8_layers.decisions import has_gemm
 from keras_mp.fp8_layers.decisions import layer_recipe
@@ -132,14 +134,26 @@ def _make_static(layer, recipe):
     the kernel's scale and the input's (assigned by `fp8.freeze` or a
     load). With `formats="mxfp8"`: the codes of the kernel as its GEMM's
     `[K, N]` matrix and their E8M0 block scales along K (uint8, `[K / 32,
-    N]`); the input's scales come from each call."""
+    N]`); with `formats="nvfp4"`: that matrix's E2M1 codes two a byte
+    along K (uint8 `[K / 2, N]`, the first code of a pair in the low
+    nibble), the E4M3 scales of its 16x16 tiles (uint8 bits, `[K / 16,
+    N / 16]`) and its float32 tensor scale (`fp8_kernel_tensor_scale`);
+    the input's scales come from each call in both."""
     if layer._kernel is None:
         return
     shape = tuple(layer._kernel.shape)
     layer._keras_mp_fp8_kernel_shape = shape
     _keras_internals.untrack_variable(layer, layer._kernel)
     layer._kernel = None
-    if recipe.scale_rounding is not None:
+    if recipe.formats in NV_FORMATS:
+        k, n = kernel_matrix_shape(layer, shape)
+        tile = nvfp4.BLOCK_SIZE
+        specs = {
+            "fp8_kernel_codes": ((k // 2, n), "uint8", "zeros"),
+            "fp8_kernel_scale": ((k // tile, n // tile), "uint8", "zeros"),
+            "fp8_kernel_tensor_scale": ((), "float32", "ones"),
+        }
+    elif recipe.scale_rounding is not None:
         k, n = kernel_matrix_shape(layer, shape)
         specs = {
             "fp8_kernel_codes": ((k, n), "uint8", "zeros"),

@@ -12,6 +12,7 @@ from keras_mp.fp8.quantizers.base import Rows
 from keras_mp.fp8.quantizers.block import Block
 from keras_mp.fp8.quantizers.high_precision import HighPrecision
 from keras_mp.fp8.quantizers.mxfp8 import Mxfp8
+from keras_mp.fp8.quantizers.nvfp4 import FrozenNvfp4
 from keras_mp.fp8.quantizers.nvfp4 import Nvfp4
 from keras_mp.fp8.quantizers.rowwise import Rowwise
 from keras_mp.fp8.quantizers.tensorwise import Tensorwise
@@ -41,7 +42,9 @@ def nv(stochastic_rounding=True, hadamard=True):
 def get(recipe):
     """The quantizer of a recipe's GEMMs (its high-precision role, where
     it has one, unquantized)."""
-    if recipe.granularity == "nvfp4":
+    if recipe.granularity == "nvfp4" and recipe.scaling == "static":
+        quantizer = FrozenNvfp4(recipe.stochastic_rounding, recipe.hadamard)
+    elif recipe.granularity == "nvfp4":
         quantizer = nv(recipe.stochastic_rounding, recipe.hadamard)
     elif recipe.granularity == "microblock":
         quantizer = mx(recipe.scale_rounding)
@@ -56,6 +59,7 @@ __all__ = [
     "BY_GRANULARITY",
     "Call",
     "Dtypes",
+    "FrozenNvfp4",
     "HighPrecision",
     "Mxfp8",
     "Nvfp4",

@@ -79,6 +79,16 @@ class Call:
                 x, scale, fmt, self.rows.counts, self.rows.amaxes.get(index)
             )
 
+    def observe_counted(self, name, x, flushed, saturated):
+        """Records the statistics row of a quantization that counted its
+        flushed and saturated values itself (boolean masks of `x`'s
+        shape, as NVFP4's two-level scales need), when `rows` asks."""
+        if self.rows is not None:
+            index = stats_module.TENSORS.index(name)
+            self.rows[name] = stats_module.counted_row(
+                x, flushed, saturated, self.rows.amaxes.get(index)
+            )
+
     def once(self, key, compute):
         """`compute()`, once per call: an operand two roles share."""
         if key not in self.saved:

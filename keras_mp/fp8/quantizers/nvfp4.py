@@ -140,23 +140,44 @@ class Nvfp4(Quantizer):
     def _bits(self, t, role):
         return rounding_bits(t, role) if self.stochastic_rounding else None
 
-    def _kernel_values(self, w):
+    def _values(self, call, name, t, axis=None, random_bits=None):
+        """`values(t, axis, random_bits)`; the quantization's statistics
+        (E2M1, counted from its codes and scales) go to `name`'s row where
+        asked and not yet recorded: the forward's input and kernel, the
+        input gradient's output gradient."""
+        if call.rows is None or name in call.rows:
+            return values(t, axis, random_bits)
+        block_shape = TILE if axis is None else None
+        axis = -1 if axis is None else axis
+        codes, scale = nvfp4.quantize(
+            t, axis, block_shape, random_bits=random_bits
+        )
+        flushed, saturated = nvfp4.flushed_and_saturated(
+            t, codes, scale, axis, block_shape
+        )
+        call.observe_counted(name, t, flushed, saturated)
+        return nvfp4.dequantize(codes, scale, axis, block_shape)
+
+    def _kernel_values(self, call, w):
         """The kernel's 16x16-tile values, computed once while it is
         unchanged (`keras_mp.backend.fp8.reuse`)."""
+        if call.rows is not None:
+            return self._values(call, "kernel", w)
         return fp8_backend.reuse(w, ("nvfp4", TILE), lambda: values(w))
 
     def forward(self, call, x, w):
         call.saved.update(x=x, w=w)
-        vx = values(x, 1)
-        vw = self._kernel_values(w)
+        vx = self._values(call, "input", x, 1)
+        vw = self._kernel_values(call, w)
         # Float32 results: NVFP4's values (a code times an E4M3 scale over
         # a float32 tensor scale) are not all bfloat16 numbers, so no role
         # lets its GEMM round to bfloat16 itself.
         return fp8_backend.einsum_float32("mk,kn->mn", vx, vw)
 
     def input_gradient(self, call, g):
-        vg = values(g, 1, self._bits(g, "input_gradient"))
-        vw = self._kernel_values(call.saved["w"])
+        bits = self._bits(g, "input_gradient")
+        vg = self._values(call, "output_gradient", g, 1, bits)
+        vw = self._kernel_values(call, call.saved["w"])
         return fp8_backend.einsum_float32("mn,kn->mk", vg, vw)
 
     def kernel_gradient(self, call, g):
@@ -175,3 +196,16 @@ class Nvfp4(Quantizer):
         vx = ops.reshape(values(x, 1), (-1, k))
         vg = ops.reshape(values(g, 1, bits), (-1, n))
         return fp8_backend.einsum_float32("mk,mn->kn", vx, vg)
+
+
+class FrozenNvfp4(Nvfp4):
+    """The GEMMs of a frozen NVFP4 layer (`Recipe(formats="nvfp4",
+    scaling="static")`, `keras_mp.fp8.freeze`): its kernel is the values
+    of its 16x16 tiles already, dequantized from the stored codes and
+    scales, and no role quantizes it again (a second NVFP4 quantization of
+    NVFP4 values may pick other scales: the tensor scale of their amax is
+    not the first one's). Every other operand is quantized as in
+    training, so the forward is training's, bit for bit."""
+
+    def _kernel_values(self, call, w):
+        return w
