@@ -573,3 +573,13 @@ def test_freeze_stores_packed_e2m1_codes_and_e4m3_scales_and_predicts_the_same(
     np.testing.assert_array_equal(
         to_numpy(restored.predict(x, verbose=0)), before
     )
+
+
+def test_freeze_keeps_refusing_a_high_precision_forward():
+    recipe = fp8.Recipe(formats="nvfp4", high_precision="forward")
+    policy = keras_mp.Policy("mixed_bfloat16", fp8=recipe)
+    inputs = keras.Input((64,))
+    hidden = keras.layers.Dense(96, dtype=policy)(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
+    with pytest.raises(ValueError, match="forward GEMM in high precision"):
+        fp8.freeze(model)
