@@ -139,9 +139,10 @@ def dot(x, kernel, recipe=None, output_dtype=None, stats=None, delayed=None):
 
     def forward(x, kernel, rows, scaling=None):
         x_shape = ops.shape(x)
-        x2 = ops.reshape(ops.cast(x, "float32"), (-1, k))
+        source_x = ops.reshape(x, (-1, k))
+        x2 = ops.cast(source_x, "float32")
         kernel = ops.cast(kernel, "float32")
-        call = quantizers.Call(recipe, rows, dtypes, scaling)
+        call = quantizers.Call(recipe, rows, dtypes, scaling, source_x)
         out = quantizer.forward(call, x2, kernel)
         out = ops.reshape(out, (*x_shape[:-1], n))
 

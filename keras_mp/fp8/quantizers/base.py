@@ -59,9 +59,13 @@ class Call:
         scaling: Delayed scaling's state for this call
             (`keras_mp.fp8.delayed.Scaling`), or None.
         saved: What `forward` keeps for the gradients, by name.
+        source_x: The layer's input as `[M, K]` in its own dtype (e.g.
+            bfloat16), which `dot` keeps for gradients that quantize from
+            the high-precision source (`input`): half the bytes of its
+            float32 cast, and the same values.
     """
 
-    def __init__(self, recipe, rows, dtypes, scaling=None):
+    def __init__(self, recipe, rows, dtypes, scaling=None, source_x=None):
         self.forward_format = recipe.forward_format
         self.backward_format = recipe.backward_format
         self.margin = recipe.margin
@@ -69,6 +73,12 @@ class Call:
         self.dtypes = dtypes
         self.scaling = scaling
         self.saved = {}
+        self.source_x = source_x
+
+    def input(self):
+        """The layer's input `[M, K]` in float32, for a gradient's GEMM
+        (cast from `source_x`: exact)."""
+        return ops.cast(self.source_x, "float32")
 
     def observe(self, name, x, scale, fmt):
         """Records the statistics row of one quantization, when `rows`
@@ -137,9 +147,9 @@ class Quantizer(abc.ABC):
 
     name = None
     # Whether the gradients' GEMMs quantize from the high-precision `x`
-    # and kernel the forward keeps (`call.saved["x"]`, `["w"]`) rather
-    # than reuse the forward's codes: then the forward may run in high
-    # precision (`high_precision.py`).
+    # (`call.input()`) and kernel the forward keeps (`call.saved["w"]`)
+    # rather than reuse the forward's codes: then the forward may run in
+    # high precision (`high_precision.py`).
     quantizes_from_source = False
 
     @abc.abstractmethod

@@ -137,14 +137,14 @@ class Block(Quantizer):
         (cw,), sw = kernel_operand(w, fmt, (1, 3), margin, ROW, tiles)
         call.observe("input", tiled_x, sx, fmt)
         call.observe("kernel", ops.reshape(w, tiles), sw, fmt)
-        call.saved.update(x=x, cw=cw, sw=sw)
+        call.saved.update(cw=cw, sw=sw)
         partial = fp8_backend.einsum_float32("mtb,tbjc->tmjc", cx, cw)
         sx_t = ops.expand_dims(ops.transpose(sx, (1, 0, 2)), -1)
         return ops.reshape(_sum_tiles(partial * sx_t * sw), (-1, n))
 
     def input_gradient(self, call, g):
         fmt, cw, sw = call.backward_format, call.saved["cw"], call.saved["sw"]
-        k = call.saved["x"].shape[1]
+        k = call.source_x.shape[1]
         n = g.shape[1]
         tiled_g = ops.reshape(g, (-1, n // BLOCK_SIZE, BLOCK_SIZE))
         (cg,), sg = operand(tiled_g, fmt, 2, call.margin)  # (M, n/128, 1)
@@ -156,7 +156,7 @@ class Block(Quantizer):
 
     def kernel_gradient(self, call, g):
         # The kernel gradient contracts the tokens: tiles of 128 tokens.
-        x, margin = call.saved["x"], call.margin
+        x, margin = call.input(), call.margin
         k, n = x.shape[1], g.shape[1]
         (cx_m,), sx_m = operand(
             ops.reshape(_pad_rows(x), (-1, BLOCK_SIZE, k)),

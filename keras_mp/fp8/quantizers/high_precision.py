@@ -45,9 +45,9 @@ class HighPrecision(Quantizer):
                     "NVFP4 recipe."
                 )
             # What the inner quantizer's gradients quantize from.
-            call.saved.update(x=x, w=w)
+            call.saved.update(w=w)
             return ops.einsum("mk,kn->mn", x, w)
-        call.saved.update(high_precision_x=x, high_precision_w=w)
+        call.saved.update(high_precision_w=w)
         return self.inner.forward(call, x, w)
 
     def input_gradient(self, call, g):
@@ -57,5 +57,5 @@ class HighPrecision(Quantizer):
 
     def kernel_gradient(self, call, g):
         if self.role == "backward":
-            return ops.einsum("mk,mn->kn", call.saved["high_precision_x"], g)
+            return ops.einsum("mk,mn->kn", call.input(), g)
         return self.inner.kernel_gradient(call, g)

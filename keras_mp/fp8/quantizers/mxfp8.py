@@ -85,7 +85,7 @@ class Mxfp8(Quantizer):
         )
 
     def forward(self, call, x, w):
-        call.saved.update(x=x, w=w)
+        call.saved.update(w=w)
         vx = self._values(call, "input", x, 1)
         vw = self._kernel_values(call, w, 0)
         return fp8_backend.einsum_float32("mk,kn->mn", vx, vw, call.dtypes.out)
@@ -105,7 +105,7 @@ class Mxfp8(Quantizer):
         return ops.reshape(values, (-1, columns))
 
     def kernel_gradient(self, call, g):
-        vx = self._token_values(call, "input", call.saved["x"])
+        vx = self._token_values(call, "input", call.input())
         vg = self._token_values(
             call, "output_gradient", g, call.backward_format
         )

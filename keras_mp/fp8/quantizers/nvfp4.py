@@ -166,7 +166,7 @@ class Nvfp4(Quantizer):
         return fp8_backend.reuse(w, ("nvfp4", TILE), lambda: values(w))
 
     def forward(self, call, x, w):
-        call.saved.update(x=x, w=w)
+        call.saved.update(w=w)
         vx = self._values(call, "input", x, 1)
         vw = self._kernel_values(call, w)
         # Float32 results: NVFP4's values (a code times an E4M3 scale over
@@ -186,7 +186,7 @@ class Nvfp4(Quantizer):
         # of known size where the token count is not (a TensorFlow graph
         # of unknown batch size); the same blocks as along axis 0 of the
         # padded `[tokens, columns]`.
-        x = ops.reshape(_pad_rows(call.saved["x"]), (-1, nvfp4.BLOCK_SIZE, k))
+        x = ops.reshape(_pad_rows(call.input()), (-1, nvfp4.BLOCK_SIZE, k))
         g = ops.reshape(_pad_rows(g), (-1, nvfp4.BLOCK_SIZE, n))
         if self.hadamard:
             x, g = nvfp4.hadamard(x, 1), nvfp4.hadamard(g, 1)
