@@ -166,27 +166,42 @@ def unpack(packed):
     )
 
 
-def pick(scaling, index, current, branch=True):
-    """The scale of tensor `index` (0 input, 1 kernel, 2 output gradient):
-    the current one on the first step, the delayed one after (times the
-    loss scale for the output gradient), as a scalar.
+def pick(scaling, indices, currents, branch=True):
+    """The scales of tensors `indices` (0 input, 1 kernel, 2 output
+    gradient): the current ones on the first step, the delayed ones after
+    (times the loss scale for the output gradient), as scalars.
 
     Args:
         scaling: The call's `Scaling`.
-        index: 0, 1 or 2.
-        current: A function giving the current scale (any size-1 shape).
-        branch: Whether to compute it only on the first step
-            (`ops.cond`: a later step's scale then depends on the stored
-            scales alone), or on every step and select (`ops.where`: for
-            PyTorch, where a branch reads the flag on the host).
+        indices: A tuple of 0, 1 or 2.
+        currents: Functions giving the current scales (any size-1 shape),
+            one per index.
+        branch: Whether to compute them only on the first step (one
+            `ops.cond` for all of them: a later step's scales then depend
+            on the stored scales alone), or on every step and select
+            (`ops.where`: for PyTorch, where a branch reads the flag on the
+            host).
+
+    Returns:
+        A tuple of float32 scalars, one per index.
     """
-    delayed = scaling.scales[index]
-    if index == 2:
-        delayed = delayed * scaling.loss_scale
+    delayed = []
+    for index in indices:
+        scale = scaling.scales[index]
+        if index == 2:
+            scale = scale * scaling.loss_scale
+        delayed.append(scale)
     if not branch:
-        return ops.reshape(ops.where(scaling.first, current(), delayed), ())
-    return ops.cond(
-        scaling.first, lambda: ops.reshape(current(), ()), lambda: delayed
+        return tuple(
+            ops.reshape(ops.where(scaling.first, current(), scale), ())
+            for current, scale in zip(currents, delayed)
+        )
+    return tuple(
+        ops.cond(
+            scaling.first,
+            lambda: tuple(ops.reshape(current(), ()) for current in currents),
+            lambda: tuple(delayed),
+        )
     )
 
 

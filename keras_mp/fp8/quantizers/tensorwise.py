@@ -7,6 +7,8 @@ scales of a GEMM are one factor, which a GEMM may take itself
 delayed scales (`keras_mp/fp8/delayed.py`).
 """
 
+import functools
+
 from keras import ops
 
 from keras_mp.backend import fp8 as fp8_backend
@@ -19,29 +21,46 @@ from keras_mp.fp8.quantizers.base import kernel_operand
 from keras_mp.fp8.quantizers.base import operand
 
 
-def _delayed_scale(call, index, t, fmt):
-    """The scale of tensor `index` of a delayed call (`delayed.pick`), or
-    None for current scaling. Its amax is kept in `call.rows` for the
-    statistics: a side output of the step, which no cast waits for where
-    the step is compiled (JAX, TensorFlow): there the first step's current
-    scale reduces `t` again, inside its own branch, so the cast of a later
-    step reads the stored scale alone and XLA may fuse the amax beside it
-    (one read of `t`). PyTorch runs op by op: a branch would read the flag
-    on the host, so it selects, and reuses the amax."""
+def _delayed_scales(call, tensors, fmt):
+    """The scales of `tensors`, `(index, tensor)` pairs of a delayed call
+    (`delayed.pick`, one branch for all of them), or Nones for current
+    scaling. Their amaxes are kept in `call.rows` for the statistics: a
+    side output of the step, which no cast waits for where the step is
+    compiled (JAX, TensorFlow): there the first step's current scales
+    reduce the tensors again, inside their own branch, so the casts of a
+    later step read the stored scales alone and XLA may fuse each amax
+    beside its cast (one read of the tensor). PyTorch runs op by op: a
+    branch would read the flag on the host, so it selects, and reuses the
+    amaxes."""
     if call.scaling is None:
-        return None
-    amax = fp8_backend.amax(t, None)
-    call.rows.amaxes[index] = amax
+        return (None,) * len(tensors)
+    amaxes = []
+    for index, t in tensors:
+        amax = fp8_backend.amax(t, None)
+        call.rows.amaxes[index] = amax
+        amaxes.append(amax)
     if fp8_backend.branches_on_host():
-        current = lambda: scale_from_amax(amax, fmt, call.margin)  # noqa: E731
+        currents = [
+            functools.partial(scale_from_amax, amax, fmt, call.margin)
+            for amax in amaxes
+        ]
     else:
-        current = lambda: scale_from_amax(  # noqa: E731
-            fp8_backend.amax(t, None), fmt, call.margin
-        )
-    scale = delayed_module.pick(
-        call.scaling, index, current, not fp8_backend.branches_on_host()
+        currents = [
+            functools.partial(_current_scale, t, fmt, call.margin)
+            for _, t in tensors
+        ]
+    indices = tuple(index for index, _ in tensors)
+    scales = delayed_module.pick(
+        call.scaling, indices, currents, not fp8_backend.branches_on_host()
     )
-    return ops.reshape(scale, ops.shape(amax))
+    return tuple(
+        ops.reshape(scale, ops.shape(amax))
+        for scale, amax in zip(scales, amaxes)
+    )
+
+
+def _current_scale(t, fmt, margin):
+    return scale_from_amax(fp8_backend.amax(t, None), fmt, margin)
 
 
 class Tensorwise(Quantizer):
@@ -56,8 +75,7 @@ class Tensorwise(Quantizer):
 
     def forward(self, call, x, w):
         fmt, margin = call.forward_format, call.margin
-        sx = _delayed_scale(call, 0, x, fmt)
-        sw = _delayed_scale(call, 1, w, fmt)
+        sx, sw = _delayed_scales(call, ((0, x), (1, w)), fmt)
         (cx, cx_column), sx = operand(x, fmt, None, margin, sx, BOTH)
         if call.scaling is None:
             (cw, cw_column), sw = kernel_operand(w, fmt, None, margin, BOTH)
@@ -78,7 +96,7 @@ class Tensorwise(Quantizer):
 
         def compute():
             fmt = call.backward_format
-            sg = _delayed_scale(call, 2, g, fmt)
+            (sg,) = _delayed_scales(call, ((2, g),), fmt)
             (cg, cg_column), sg = operand(g, fmt, None, call.margin, sg, BOTH)
             call.observe("output_gradient", g, sg, fmt)
             return cg, cg_column, sg
