@@ -25,12 +25,14 @@ def _random_state(rng, shape):
     return codes, scales.astype(np.float32)
 
 
+@pytest.mark.parametrize("shape", [(5, 61), (3, 256)])
 @pytest.mark.parametrize("stochastic", [False, True])
-def test_quantize_matches_the_numpy_oracle_bit_for_bit(stochastic):
+def test_quantize_matches_the_numpy_oracle_bit_for_bit(stochastic, shape):
     rng = np.random.default_rng(0)
     # Values across E4M3's normal and subnormal range within a block, a
-    # size that is not a multiple of the block, zeros and a negative zero.
-    x = rng.normal(size=(5, 61)) * np.exp2(rng.integers(-14, 4, size=(5, 61)))
+    # size that is not a multiple of the block and one that is (no
+    # padding), zeros and a negative zero.
+    x = rng.normal(size=shape) * np.exp2(rng.integers(-14, 4, size=shape))
     x[0, :3] = [0.0, -0.0, 1e-30]
     x = x.astype(np.float32)
     seed = np.array([7, 11], np.int32) if stochastic else None
@@ -49,6 +51,25 @@ def test_quantize_matches_the_numpy_oracle_bit_for_bit(stochastic):
     # step 2**-9 of the block's scale below 2**-6 of it (stochastic: a step).
     atol = float(np.max(expected_scales)) * 2.0**-9
     np.testing.assert_allclose(to_numpy(decoded), x, rtol=0.13, atol=atol)
+
+
+def test_every_code_decodes_as_ml_dtypes_does():
+    codes = np.arange(256, dtype=np.uint8).reshape(2, 128)
+    scales = np.array([1.0, 2.0**-20], np.float32)
+    decoded = to_numpy(
+        float8_state.dequantize(
+            ops.convert_to_tensor(codes), ops.convert_to_tensor(scales)
+        )
+    )
+    expected = reference.dequantize(codes, scales)
+    np.testing.assert_array_equal(np.isnan(decoded), np.isnan(expected))
+    finite = ~np.isnan(expected)
+    assert_bitwise_equal(decoded[finite], expected[finite])
+    # The NaN codes decode to float32's quiet NaN, with the code's sign.
+    assert_bitwise_equal(
+        decoded[~finite].view(np.uint32),
+        np.array([0x7FC00000, 0xFFC00000], np.uint32),
+    )
 
 
 def test_stochastic_rounding_is_unbiased_to_the_e4m3_grid():

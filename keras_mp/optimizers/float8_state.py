@@ -116,45 +116,71 @@ def _encode(y, seed):
 
     Rounded on E4M3's grid in float32 (the step is `2**(e - 3)` for a
     value of exponent `e`, and `2**-9` below `2**-6`), finite values
-    clipped to 448, inf and NaN coded as NaN (E4M3 has no inf); the code
-    is then read off the rounded value's bits.
+    clipped to 448, inf and NaN coded as NaN (E4M3 has no inf).
+
+    Written without division, `where` and comparisons, which cost a pass
+    each (on eager PyTorch, `where` and comparisons run one value at a
+    time: 4 ms per million values against 0.1 ms for an add): `|y|` times
+    the inverse of its step (a power of two, so exactly the quotient) is
+    rounded to an integer `k` of steps, and the code is `k` plus 8 per
+    binade above E4M3's lowest: `k + 8 * (exponent - 121)`, `exponent`
+    the biased float32 exponent of `|y|` (at least 121, that of `2**-6`).
     """
-    magnitude = ops.abs(y)
-    exponent = ops.maximum(
-        ops.right_shift(ops.view(magnitude, "int32"), 23),
-        _MIN_NORMAL_EXPONENT,
-    )
-    step = ops.view(ops.left_shift(exponent - _MANTISSA_BITS, 23), "float32")
-    steps = magnitude / step
+    bits = ops.view(y, "int32")
+    magnitude = ops.bitwise_and(bits, 0x7FFFFFFF)
+    biased = ops.right_shift(magnitude, 23)
+    exponent = ops.maximum(biased, _MIN_NORMAL_EXPONENT)
+    # 2**(3 - e): the biased exponent of the step's inverse is 257 - exponent.
+    inverse_step = ops.view(ops.left_shift(257 - exponent, 23), "float32")
+    steps = ops.view(magnitude, "float32") * inverse_step
     if seed is None:
         steps = ops.round(steps)
     else:
-        bits = _random_bits.random_bits(tuple(y.shape), seed)
+        bits_of_noise = _random_bits.random_bits(tuple(y.shape), seed)
         # 24 random bits as a float32 in [0, 1), exactly.
         uniform = ops.cast(
-            ops.bitwise_and(ops.right_shift(bits, 8), 0xFFFFFF), "float32"
+            ops.bitwise_and(ops.right_shift(bits_of_noise, 8), 0xFFFFFF),
+            "float32",
         )
         steps = ops.floor(steps + uniform * 2.0**-24)
-    rounded = ops.minimum(steps * step, E4M3_MAX)
-    code = ops.where(
-        rounded >= _MIN_NORMAL,
-        ops.right_shift(ops.view(rounded, "int32"), 20) - _CODE_OFFSET,
-        ops.cast(rounded * 2.0**9, "int32"),
-    )
-    code = ops.where(ops.isfinite(y), code, _NAN_CODE)
+    code = ops.cast(steps, "int32") + (exponent - _MIN_NORMAL_EXPONENT) * 8
+    # 448 is code 126. Inf and NaN (biased exponent 255, whatever their
+    # steps cast to) become 127, NaN: any code of 0..126 ORed with 127.
+    code = ops.clip(code, 0, 126)
+    nonfinite = ops.right_shift(biased + 1, 8)  # 1 where biased == 255
+    code = ops.bitwise_or(code, nonfinite * _NAN_CODE)
     # The sign bit, as a cast keeps it (-0 and -NaN included).
-    code = ops.where(ops.view(y, "int32") < 0, code + _SIGN, code)
+    code = ops.bitwise_or(
+        code, ops.bitwise_and(ops.right_shift(bits, 24), _SIGN)
+    )
     return ops.cast(code, "uint8")
 
 
 def _decode(codes):
+    """Float32 values of uint8 E4M3 `codes`, from bits alone (no `where`:
+    see `_encode`)."""
     code = ops.cast(codes, "int32")
     magnitude = ops.bitwise_and(code, 0x7F)
-    subnormal = ops.cast(ops.bitwise_and(magnitude, 7), "float32") * 2.0**-9
-    normal = ops.view(ops.left_shift(magnitude + _CODE_OFFSET, 20), "float32")
-    value = ops.where(magnitude < 8, subnormal, normal)
-    value = ops.where(magnitude == _NAN_CODE, float("nan"), value)
-    return ops.where(code >= _SIGN, -value, value)
+    # 1 for subnormal codes (magnitude < 8), else 0.
+    subnormal = 1 - ops.right_shift(magnitude + 120, 7)
+    # 1 for the NaN code (magnitude 127), else 0.
+    nan = ops.right_shift(magnitude + 1, 7)
+    # The code's exponent and mantissa fields in float32's, the exponent
+    # rebiased (+120); subnormal codes get the exponent of 2**-6 instead,
+    # 2**-6 * (1 + mantissa / 8), and 2**-6 is subtracted below:
+    # mantissa * 2**-9, exactly. The NaN code becomes float32's quiet NaN
+    # 0x7FC00000 (its bits otherwise, 0x43F00000, are 480).
+    bits = (
+        ops.left_shift(magnitude, 20)
+        + ops.left_shift(subnormal + 120, 23)
+        + nan * (0x7FC00000 - 0x43F00000)
+    )
+    value = ops.view(bits, "float32") - ops.cast(subnormal, "float32") * (
+        _MIN_NORMAL
+    )
+    # The sign bit: 0x80 times -2**24 is -2**31, float32's sign bit.
+    sign = ops.bitwise_and(code, _SIGN) * -(1 << 24)
+    return ops.view(ops.bitwise_or(ops.view(value, "int32"), sign), "float32")
 
 
 class Float8Slots:
@@ -197,9 +223,9 @@ class Float8Slots:
         return value * value if ADAM_SLOTS[name] else value
 
     def _store(self, variable, name, value):
+        """Stores float32 `value` in slot `name`; a second moment's
+        `value` is already its square root."""
         codes, scales = self._slots[self._optimizer._var_key(variable)][name]
-        if ADAM_SLOTS[name]:
-            value = ops.sqrt(value)
         seed = None
         # Only the second moments are rounded stochastically. Adam moves
         # `v` by `(1 - beta_2) * (g**2 - v)` a step, far below half an
@@ -244,14 +270,17 @@ class Float8Slots:
                 ops.subtract(ops.square(gradient), v), one_minus_beta_2
             ),
         )
+        # sqrt(v), once: stored (as the second moment's codes) and divided by.
+        root = ops.sqrt(v)
         self._store(variable, "momentum", m)
-        self._store(variable, "velocity", v)
+        self._store(variable, "velocity", root)
         if optimizer.amsgrad:
             v = ops.maximum(self._read(variable, "velocity_hat"), v)
-            self._store(variable, "velocity_hat", v)
+            root = ops.sqrt(v)
+            self._store(variable, "velocity_hat", root)
         update = ops.divide(
             ops.multiply(m, alpha),
-            ops.add(ops.sqrt(v), ops.cast(optimizer.epsilon, dtype)),
+            ops.add(root, ops.cast(optimizer.epsilon, dtype)),
         )
         optimizer.assign_sub(variable, ops.cast(update, variable.dtype))
 
