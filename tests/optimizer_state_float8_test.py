@@ -363,3 +363,50 @@ def test_bad_float8_arguments_raise():
     )
     assert optimizer.get_config()["state_dtype"] == "float8"
     assert optimizer.get_config()["stochastic_rounding"] is False
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "torch", reason="PyTorch's in-place update"
+)
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_torch_in_place_update_is_bit_identical_to_keras_ops(
+    stochastic, monkeypatch
+):
+    from keras_mp.backend import fused_float8_update
+
+    # Chunks of 256 elements: the 1000-element slot spans four, the last
+    # one with a short block; the 3-element slot is one short block.
+    monkeypatch.setattr(fused_float8_update, "_CHUNK_ELEMENTS", 256)
+    rng = np.random.default_rng(3)
+    shapes = [(10, 100), (3,), (2, 128)]
+    weights = [rng.normal(size=s).astype(np.float32) for s in shapes]
+    grads = [
+        [
+            (rng.normal(size=s) * np.exp2(rng.integers(-20, 2, size=s))).astype(
+                np.float32
+            )
+            for s in shapes
+        ]
+        for _ in range(3)
+    ]
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(fused_float8_update, "FUSED_TORCH_UPDATES", fused)
+        keras.utils.set_random_seed(0)
+        variables = [keras.Variable(w) for w in weights]
+        optimizer = keras_mp.OptimizerWrapper(
+            keras.optimizers.Adam(0.01),
+            state_dtype="float8",
+            stochastic_rounding=stochastic,
+        )
+        for step in grads:
+            apply_as_fit(
+                optimizer, [ops.convert_to_tensor(g) for g in step], variables
+            )
+        results.append(
+            [to_numpy(v) for v in variables]
+            + [to_numpy(v) for v in optimizer.variables]
+        )
+    assert optimizer._float8_slots._fused is not None
+    for got, want in zip(*results):
+        assert_bitwise_equal(got, want)

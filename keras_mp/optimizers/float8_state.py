@@ -30,6 +30,7 @@ from keras import ops
 
 from keras_mp import _random_bits
 from keras_mp.backend import fp8 as backend_fp8
+from keras_mp.backend import fused_float8_update
 from keras_mp.fp8 import codes as fp8_codes
 
 # Elements per block scale: COAT's group size. Float32 scales cost 4/128
@@ -201,6 +202,9 @@ class Float8Slots:
         self._slots = {}
         # id(codes) -> (scales, whether the square root is stored).
         self._scales = {}
+        # PyTorch: the same update in place, chunk by chunk (created at the
+        # first step).
+        self._fused = None
 
     def add(self, reference_variable, name, codes, scales):
         key = self._optimizer._var_key(reference_variable)
@@ -254,13 +258,19 @@ class Float8Slots:
         local_step = ops.cast(optimizer.iterations + 1, dtype)
         beta_1_power = ops.power(ops.cast(optimizer.beta_1, dtype), local_step)
         beta_2_power = ops.power(ops.cast(optimizer.beta_2, dtype), local_step)
-        m = self._read(variable, "momentum")
-        v = self._read(variable, "velocity")
         alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
         # Python numbers made float32 tensors first, so that every backend
         # (and the NumPy oracle) multiplies and adds the same float32 values.
         one_minus_beta_1 = ops.cast(1 - optimizer.beta_1, dtype)
         one_minus_beta_2 = ops.cast(1 - optimizer.beta_2, dtype)
+        if self._update_in_place(
+            gradient,
+            variable,
+            (alpha, one_minus_beta_1, one_minus_beta_2),
+        ):
+            return
+        m = self._read(variable, "momentum")
+        v = self._read(variable, "velocity")
         m = ops.add(
             m, ops.multiply(ops.subtract(gradient, m), one_minus_beta_1)
         )
@@ -283,6 +293,28 @@ class Float8Slots:
             ops.add(root, ops.cast(optimizer.epsilon, dtype)),
         )
         optimizer.assign_sub(variable, ops.cast(update, variable.dtype))
+
+    def _update_in_place(self, gradient, variable, coefficients):
+        """PyTorch: the update of `update_step` in place, bit for bit
+        (`backend/fused_float8_update.py`); returns whether it ran."""
+        optimizer = self._optimizer
+        if keras.backend.backend() != "torch" or optimizer.amsgrad:
+            return False
+        if self._fused is None:
+            self._fused = fused_float8_update.FusedFloat8Update(
+                fp8_codes.scale_from_amax, _decode
+            )
+        names = self._slots[optimizer._var_key(variable)]
+        slots = (names["momentum"], names["velocity"])
+        if not self._fused.applies(gradient, variable, slots):
+            return False
+        seed = None
+        if self._seed_generator is not None:
+            # The draw `_store` makes for the second moment.
+            seed = ops.cast(self._seed_generator().next(), "int32")
+        epsilon = ops.cast(optimizer.epsilon, "float32")
+        self._fused(gradient, variable, slots, (*coefficients, epsilon), seed)
+        return True
 
 
 def quantize_numpy(value):
