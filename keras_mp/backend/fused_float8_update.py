@@ -32,21 +32,20 @@ class FusedFloat8Update:
     with the same float32 roundings: every operation of it is the PyTorch
     kernel `keras.ops` would call (in place where it can be), chunk by
     chunk of whole blocks, so codes, scales and the weight come out bit
-    for bit as on that path. The decode is a lookup in the 256 values of
-    E4M3 (those `_decode` computes, NaNs included).
+    for bit as on that path (the decode is the same lookup in the 256
+    values of E4M3, as `index_select` with int32 indices).
 
     Args:
         scale_from_amax: `keras_mp.fp8.codes.scale_from_amax`.
-        decode: `float8_state._decode`, to build the lookup table.
+        values: The float32 values of the 256 codes (a NumPy array), those
+            `float8_state._decode` looks up.
     """
 
-    def __init__(self, scale_from_amax, decode):
+    def __init__(self, scale_from_amax, values):
         import torch
 
         self._scale_from_amax = scale_from_amax
-        with _keras_internals.without_autocast():
-            table = decode(torch.arange(256, dtype=torch.uint8))
-        self._table = table.to(torch.float32).contiguous()
+        self._table = torch.from_numpy(values.copy())
         self._buffers = None
 
     def applies(self, gradient, variable, slots):

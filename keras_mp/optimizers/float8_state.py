@@ -158,30 +158,30 @@ def _encode(y, seed):
 
 
 def _decode(codes):
-    """Float32 values of uint8 E4M3 `codes`, from bits alone (no `where`:
-    see `_encode`)."""
-    code = ops.cast(codes, "int32")
-    magnitude = ops.bitwise_and(code, 0x7F)
-    # 1 for subnormal codes (magnitude < 8), else 0.
-    subnormal = 1 - ops.right_shift(magnitude + 120, 7)
-    # 1 for the NaN code (magnitude 127), else 0.
-    nan = ops.right_shift(magnitude + 1, 7)
-    # The code's exponent and mantissa fields in float32's, the exponent
-    # rebiased (+120); subnormal codes get the exponent of 2**-6 instead,
-    # 2**-6 * (1 + mantissa / 8), and 2**-6 is subtracted below:
-    # mantissa * 2**-9, exactly. The NaN code becomes float32's quiet NaN
-    # 0x7FC00000 (its bits otherwise, 0x43F00000, are 480).
-    bits = (
-        ops.left_shift(magnitude, 20)
-        + ops.left_shift(subnormal + 120, 23)
-        + nan * (0x7FC00000 - 0x43F00000)
+    """Float32 values of uint8 E4M3 `codes`: a lookup in `_VALUES` (one
+    gather, against the dozen elementwise operations of computing them
+    from the bits)."""
+    return ops.take(
+        ops.convert_to_tensor(_VALUES), ops.cast(codes, "int32"), axis=0
     )
-    value = ops.view(bits, "float32") - ops.cast(subnormal, "float32") * (
-        _MIN_NORMAL
-    )
-    # The sign bit: 0x80 times -2**24 is -2**31, float32's sign bit.
-    sign = ops.bitwise_and(code, _SIGN) * -(1 << 24)
-    return ops.view(ops.bitwise_or(ops.view(value, "int32"), sign), "float32")
+
+
+def _code_values():
+    """The float32 value of each of the 256 E4M3 codes, from its bits: the
+    exponent and mantissa fields moved into float32's (the exponent
+    rebiased by +120), subnormal codes as `mantissa * 2**-9`, the NaN codes
+    as float32's quiet NaN with the code's sign (0x7FC00000, 0xFFC00000)."""
+    code = np.arange(256, dtype=np.int32)
+    magnitude = code & 0x7F
+    normal = ((magnitude + _CODE_OFFSET) << 20).view(np.float32)
+    subnormal = (magnitude & 7).astype(np.float32) * np.float32(2.0**-9)
+    value = np.where(magnitude < 8, subnormal, normal)
+    value = np.where(magnitude == _NAN_CODE, np.float32("nan"), value)
+    sign = np.where(code >= _SIGN, np.int32(-(2**31)), np.int32(0))
+    return (value.view(np.int32) | sign).view(np.float32)
+
+
+_VALUES = _code_values()
 
 
 class Float8Slots:
@@ -302,7 +302,7 @@ class Float8Slots:
             return False
         if self._fused is None:
             self._fused = fused_float8_update.FusedFloat8Update(
-                fp8_codes.scale_from_amax, _decode
+                fp8_codes.scale_from_amax, _VALUES
             )
         names = self._slots[optimizer._var_key(variable)]
         slots = (names["momentum"], names["velocity"])
