@@ -208,9 +208,7 @@ class FusedFloat8Update:
         i2.bitwise_left_shift_(23)
         steps = i0.view(torch.float32)
         steps.mul_(i2.view(torch.float32))
-        if key is None:
-            steps.round_()
-        else:
+        if key is not None:
             torch.add(self._index[: x.numel()], key, out=i2)
             _hash32_in_place(i2, i3)
             i2.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
@@ -219,7 +217,10 @@ class FusedFloat8Update:
             uniform.mul_(2.0**-24)
             steps.add_(uniform)
             steps.floor_()
-        i2.copy_(steps)
+        # The integer of steps, off the bits of steps + 2**23 (rounded to
+        # nearest there where no key floored it).
+        steps.add_(2.0**23)
+        torch.sub(i0, 0x4B000000, out=i2)
         i1.sub_(121).mul_(8)
         i2.add_(i1).clamp_(0, 126).bitwise_or_(bits)
         codes.copy_(i2)

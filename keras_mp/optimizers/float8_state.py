@@ -134,9 +134,7 @@ def _encode(y, seed):
     # 2**(3 - e): the biased exponent of the step's inverse is 257 - exponent.
     inverse_step = ops.view(ops.left_shift(257 - exponent, 23), "float32")
     steps = ops.view(magnitude, "float32") * inverse_step
-    if seed is None:
-        steps = ops.round(steps)
-    else:
+    if seed is not None:
         bits_of_noise = _random_bits.random_bits(tuple(y.shape), seed)
         # 24 random bits as a float32 in [0, 1), exactly.
         uniform = ops.cast(
@@ -144,9 +142,14 @@ def _encode(y, seed):
             "float32",
         )
         steps = ops.floor(steps + uniform * 2.0**-24)
-    code = ops.cast(steps, "int32") + (exponent - _MIN_NORMAL_EXPONENT) * 8
+    # The integer of steps (at most 16), read off the bits of steps + 2**23,
+    # whose float32 spacing is 1: rounded there to nearest, ties to even,
+    # where no `seed` floored it (a saturating float-to-int conversion
+    # costs XLA several operations an element).
+    steps = ops.view(steps + 2.0**23, "int32") - 0x4B000000
+    code = steps + (exponent - _MIN_NORMAL_EXPONENT) * 8
     # 448 is code 126. Inf and NaN (biased exponent 255, whatever their
-    # steps cast to) become 127, NaN: any code of 0..126 ORed with 127.
+    # steps give) become 127, NaN: any code of 0..126 ORed with 127.
     code = ops.clip(code, 0, 126)
     nonfinite = ops.right_shift(biased + 1, 8)  # 1 where biased == 255
     code = ops.bitwise_or(code, nonfinite * _NAN_CODE)
