@@ -25,12 +25,14 @@ def _random_state(rng, shape):
     return codes, scales.astype(np.float32)
 
 
+@pytest.mark.parametrize("shape", [(5, 61), (3, 256)])
 @pytest.mark.parametrize("stochastic", [False, True])
-def test_quantize_matches_the_numpy_oracle_bit_for_bit(stochastic):
+def test_quantize_matches_the_numpy_oracle_bit_for_bit(stochastic, shape):
     rng = np.random.default_rng(0)
     # Values across E4M3's normal and subnormal range within a block, a
-    # size that is not a multiple of the block, zeros and a negative zero.
-    x = rng.normal(size=(5, 61)) * np.exp2(rng.integers(-14, 4, size=(5, 61)))
+    # size that is not a multiple of the block and one that is (no
+    # padding), zeros and a negative zero.
+    x = rng.normal(size=shape) * np.exp2(rng.integers(-14, 4, size=shape))
     x[0, :3] = [0.0, -0.0, 1e-30]
     x = x.astype(np.float32)
     seed = np.array([7, 11], np.int32) if stochastic else None
@@ -49,6 +51,25 @@ def test_quantize_matches_the_numpy_oracle_bit_for_bit(stochastic):
     # step 2**-9 of the block's scale below 2**-6 of it (stochastic: a step).
     atol = float(np.max(expected_scales)) * 2.0**-9
     np.testing.assert_allclose(to_numpy(decoded), x, rtol=0.13, atol=atol)
+
+
+def test_every_code_decodes_as_ml_dtypes_does():
+    codes = np.arange(256, dtype=np.uint8).reshape(2, 128)
+    scales = np.array([1.0, 2.0**-20], np.float32)
+    decoded = to_numpy(
+        float8_state.dequantize(
+            ops.convert_to_tensor(codes), ops.convert_to_tensor(scales)
+        )
+    )
+    expected = reference.dequantize(codes, scales)
+    np.testing.assert_array_equal(np.isnan(decoded), np.isnan(expected))
+    finite = ~np.isnan(expected)
+    assert_bitwise_equal(decoded[finite], expected[finite])
+    # The NaN codes decode to float32's quiet NaN, with the code's sign.
+    assert_bitwise_equal(
+        decoded[~finite].view(np.uint32),
+        np.array([0x7FC00000, 0xFFC00000], np.uint32),
+    )
 
 
 def test_stochastic_rounding_is_unbiased_to_the_e4m3_grid():
@@ -342,3 +363,50 @@ def test_bad_float8_arguments_raise():
     )
     assert optimizer.get_config()["state_dtype"] == "float8"
     assert optimizer.get_config()["stochastic_rounding"] is False
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "torch", reason="PyTorch's in-place update"
+)
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_torch_in_place_update_is_bit_identical_to_keras_ops(
+    stochastic, monkeypatch
+):
+    from keras_mp.backend import fused_float8_update
+
+    # Chunks of 256 elements: the 1000-element slot spans four, the last
+    # one with a short block; the 3-element slot is one short block.
+    monkeypatch.setattr(fused_float8_update, "_CHUNK_ELEMENTS", 256)
+    rng = np.random.default_rng(3)
+    shapes = [(10, 100), (3,), (2, 128)]
+    weights = [rng.normal(size=s).astype(np.float32) for s in shapes]
+    grads = [
+        [
+            (rng.normal(size=s) * np.exp2(rng.integers(-20, 2, size=s))).astype(
+                np.float32
+            )
+            for s in shapes
+        ]
+        for _ in range(3)
+    ]
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(fused_float8_update, "FUSED_TORCH_UPDATES", fused)
+        keras.utils.set_random_seed(0)
+        variables = [keras.Variable(w) for w in weights]
+        optimizer = keras_mp.OptimizerWrapper(
+            keras.optimizers.Adam(0.01),
+            state_dtype="float8",
+            stochastic_rounding=stochastic,
+        )
+        for step in grads:
+            apply_as_fit(
+                optimizer, [ops.convert_to_tensor(g) for g in step], variables
+            )
+        results.append(
+            [to_numpy(v) for v in variables]
+            + [to_numpy(v) for v in optimizer.variables]
+        )
+    assert optimizer._float8_slots._fused is not None
+    for got, want in zip(*results):
+        assert_bitwise_equal(got, want)

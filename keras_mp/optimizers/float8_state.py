@@ -30,6 +30,7 @@ from keras import ops
 
 from keras_mp import _random_bits
 from keras_mp.backend import fp8 as backend_fp8
+from keras_mp.backend import fused_float8_update
 from keras_mp.fp8 import codes as fp8_codes
 
 # Elements per block scale: COAT's group size. Float32 scales cost 4/128
@@ -116,38 +117,54 @@ def _encode(y, seed):
 
     Rounded on E4M3's grid in float32 (the step is `2**(e - 3)` for a
     value of exponent `e`, and `2**-9` below `2**-6`), finite values
-    clipped to 448, inf and NaN coded as NaN (E4M3 has no inf); the code
-    is then read off the rounded value's bits.
+    clipped to 448, inf and NaN coded as NaN (E4M3 has no inf).
+
+    Written without division, `where` and comparisons, which cost a pass
+    each (on eager PyTorch, `where` and comparisons run one value at a
+    time: 4 ms per million values against 0.1 ms for an add): `|y|` times
+    the inverse of its step (a power of two, so exactly the quotient) is
+    rounded to an integer `k` of steps, and the code is `k` plus 8 per
+    binade above E4M3's lowest: `k + 8 * (exponent - 121)`, `exponent`
+    the biased float32 exponent of `|y|` (at least 121, that of `2**-6`).
     """
-    magnitude = ops.abs(y)
-    exponent = ops.maximum(
-        ops.right_shift(ops.view(magnitude, "int32"), 23),
-        _MIN_NORMAL_EXPONENT,
-    )
-    step = ops.view(ops.left_shift(exponent - _MANTISSA_BITS, 23), "float32")
-    steps = magnitude / step
-    if seed is None:
-        steps = ops.round(steps)
-    else:
-        bits = _random_bits.random_bits(tuple(y.shape), seed)
+    bits = ops.view(y, "int32")
+    magnitude = ops.bitwise_and(bits, 0x7FFFFFFF)
+    biased = ops.right_shift(magnitude, 23)
+    exponent = ops.maximum(biased, _MIN_NORMAL_EXPONENT)
+    # 2**(3 - e): the biased exponent of the step's inverse is 257 - exponent.
+    inverse_step = ops.view(ops.left_shift(257 - exponent, 23), "float32")
+    steps = ops.view(magnitude, "float32") * inverse_step
+    if seed is not None:
+        bits_of_noise = _random_bits.random_bits(tuple(y.shape), seed)
         # 24 random bits as a float32 in [0, 1), exactly.
         uniform = ops.cast(
-            ops.bitwise_and(ops.right_shift(bits, 8), 0xFFFFFF), "float32"
+            ops.bitwise_and(ops.right_shift(bits_of_noise, 8), 0xFFFFFF),
+            "float32",
         )
         steps = ops.floor(steps + uniform * 2.0**-24)
-    rounded = ops.minimum(steps * step, E4M3_MAX)
-    code = ops.where(
-        rounded >= _MIN_NORMAL,
-        ops.right_shift(ops.view(rounded, "int32"), 20) - _CODE_OFFSET,
-        ops.cast(rounded * 2.0**9, "int32"),
-    )
-    code = ops.where(ops.isfinite(y), code, _NAN_CODE)
+    # The integer of steps (at most 16), read off the bits of steps + 2**23,
+    # whose float32 spacing is 1: rounded there to nearest, ties to even,
+    # where no `seed` floored it (a saturating float-to-int conversion
+    # costs XLA several operations an element).
+    steps = ops.view(steps + 2.0**23, "int32") - 0x4B000000
+    code = steps + (exponent - _MIN_NORMAL_EXPONENT) * 8
+    # 448 is code 126. Inf and NaN (biased exponent 255, whatever their
+    # steps give) become 127, NaN: any code of 0..126 ORed with 127.
+    code = ops.clip(code, 0, 126)
+    nonfinite = ops.right_shift(biased + 1, 8)  # 1 where biased == 255
+    code = ops.bitwise_or(code, nonfinite * _NAN_CODE)
     # The sign bit, as a cast keeps it (-0 and -NaN included).
-    code = ops.where(ops.view(y, "int32") < 0, code + _SIGN, code)
+    code = ops.bitwise_or(
+        code, ops.bitwise_and(ops.right_shift(bits, 24), _SIGN)
+    )
     return ops.cast(code, "uint8")
 
 
 def _decode(codes):
+    """Float32 values of uint8 E4M3 `codes`, from their bits. (A lookup in
+    `_VALUES` with `ops.take` made JAX's step twice as slow in
+    `benchmarks/optimizer_state_memory.py`; PyTorch's in-place update
+    looks them up.)"""
     code = ops.cast(codes, "int32")
     magnitude = ops.bitwise_and(code, 0x7F)
     subnormal = ops.cast(ops.bitwise_and(magnitude, 7), "float32") * 2.0**-9
@@ -155,6 +172,24 @@ def _decode(codes):
     value = ops.where(magnitude < 8, subnormal, normal)
     value = ops.where(magnitude == _NAN_CODE, float("nan"), value)
     return ops.where(code >= _SIGN, -value, value)
+
+
+def _code_values():
+    """The float32 value of each of the 256 E4M3 codes, from its bits: the
+    exponent and mantissa fields moved into float32's (the exponent
+    rebiased by +120), subnormal codes as `mantissa * 2**-9`, the NaN codes
+    as float32's quiet NaN with the code's sign (0x7FC00000, 0xFFC00000)."""
+    code = np.arange(256, dtype=np.int32)
+    magnitude = code & 0x7F
+    normal = ((magnitude + _CODE_OFFSET) << 20).view(np.float32)
+    subnormal = (magnitude & 7).astype(np.float32) * np.float32(2.0**-9)
+    value = np.where(magnitude < 8, subnormal, normal)
+    value = np.where(magnitude == _NAN_CODE, np.float32("nan"), value)
+    sign = np.where(code >= _SIGN, np.int32(-(2**31)), np.int32(0))
+    return (value.view(np.int32) | sign).view(np.float32)
+
+
+_VALUES = _code_values()
 
 
 class Float8Slots:
@@ -175,6 +210,9 @@ class Float8Slots:
         self._slots = {}
         # id(codes) -> (scales, whether the square root is stored).
         self._scales = {}
+        # PyTorch: the same update in place, chunk by chunk (created at the
+        # first step).
+        self._fused = None
 
     def add(self, reference_variable, name, codes, scales):
         key = self._optimizer._var_key(reference_variable)
@@ -197,9 +235,9 @@ class Float8Slots:
         return value * value if ADAM_SLOTS[name] else value
 
     def _store(self, variable, name, value):
+        """Stores float32 `value` in slot `name`; a second moment's
+        `value` is already its square root."""
         codes, scales = self._slots[self._optimizer._var_key(variable)][name]
-        if ADAM_SLOTS[name]:
-            value = ops.sqrt(value)
         seed = None
         # Only the second moments are rounded stochastically. Adam moves
         # `v` by `(1 - beta_2) * (g**2 - v)` a step, far below half an
@@ -228,13 +266,19 @@ class Float8Slots:
         local_step = ops.cast(optimizer.iterations + 1, dtype)
         beta_1_power = ops.power(ops.cast(optimizer.beta_1, dtype), local_step)
         beta_2_power = ops.power(ops.cast(optimizer.beta_2, dtype), local_step)
-        m = self._read(variable, "momentum")
-        v = self._read(variable, "velocity")
         alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
         # Python numbers made float32 tensors first, so that every backend
         # (and the NumPy oracle) multiplies and adds the same float32 values.
         one_minus_beta_1 = ops.cast(1 - optimizer.beta_1, dtype)
         one_minus_beta_2 = ops.cast(1 - optimizer.beta_2, dtype)
+        if self._update_in_place(
+            gradient,
+            variable,
+            (alpha, one_minus_beta_1, one_minus_beta_2),
+        ):
+            return
+        m = self._read(variable, "momentum")
+        v = self._read(variable, "velocity")
         m = ops.add(
             m, ops.multiply(ops.subtract(gradient, m), one_minus_beta_1)
         )
@@ -244,16 +288,41 @@ class Float8Slots:
                 ops.subtract(ops.square(gradient), v), one_minus_beta_2
             ),
         )
+        # sqrt(v), once: stored (as the second moment's codes) and divided by.
+        root = ops.sqrt(v)
         self._store(variable, "momentum", m)
-        self._store(variable, "velocity", v)
+        self._store(variable, "velocity", root)
         if optimizer.amsgrad:
             v = ops.maximum(self._read(variable, "velocity_hat"), v)
-            self._store(variable, "velocity_hat", v)
+            root = ops.sqrt(v)
+            self._store(variable, "velocity_hat", root)
         update = ops.divide(
             ops.multiply(m, alpha),
-            ops.add(ops.sqrt(v), ops.cast(optimizer.epsilon, dtype)),
+            ops.add(root, ops.cast(optimizer.epsilon, dtype)),
         )
         optimizer.assign_sub(variable, ops.cast(update, variable.dtype))
+
+    def _update_in_place(self, gradient, variable, coefficients):
+        """PyTorch: the update of `update_step` in place, bit for bit
+        (`backend/fused_float8_update.py`); returns whether it ran."""
+        optimizer = self._optimizer
+        if keras.backend.backend() != "torch" or optimizer.amsgrad:
+            return False
+        if self._fused is None:
+            self._fused = fused_float8_update.FusedFloat8Update(
+                fp8_codes.scale_from_amax, _VALUES
+            )
+        names = self._slots[optimizer._var_key(variable)]
+        slots = (names["momentum"], names["velocity"])
+        if not self._fused.applies(gradient, variable, slots):
+            return False
+        seed = None
+        if self._seed_generator is not None:
+            # The draw `_store` makes for the second moment.
+            seed = ops.cast(self._seed_generator().next(), "int32")
+        epsilon = ops.cast(optimizer.epsilon, "float32")
+        self._fused(gradient, variable, slots, (*coefficients, epsilon), seed)
+        return True
 
 
 def quantize_numpy(value):
