@@ -107,72 +107,81 @@ def _scales_each_input(recipe):
     return recipe.scale_rounding is not None or recipe.formats in NV_FORMATS
 
 
-def _freeze_mx(layer, recipe, kernel):
-    """An MXFP8 layer frozen: its kernel as its GEMM's `[K, N]` matrix,
-    E4M3 codes and E8M0 scales in blocks of 32 along K (the forward
-    GEMM's blocks, so the frozen GEMM multiplies the values training's
-    forward did)."""
+def _gemm_matrix(layer, kernel):
+    """The kernel as its layer's GEMM multiplies it: `[K, N]`."""
     if isinstance(layer, keras.layers.EinsumDense):
         permutation, k, n = kernel_matrix(layer.equation, kernel.shape)
         kernel = np.transpose(kernel, permutation).reshape(k, n)
-    codes, scale = mxfp8.quantize(
-        kernel, axis=0, scale_rounding=recipe.scale_rounding
-    )
-    # As bit patterns: not every backend converts FP8 tensors to NumPy.
+    return kernel
+
+
+def _e4m3_bits(codes):
+    """E4M3 codes (a tensor) as uint8 bit patterns: not every backend
+    converts FP8 tensors to NumPy."""
     values = keras.ops.convert_to_numpy(keras.ops.cast(codes, "float32"))
-    codes = values.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-    _drop_lora(layer)
-    policy = Policy(
-        policy_module.layer_policy(layer).name,
-        loss_scale=None,
-        fp8=fp8.Recipe(
-            scaling="static",
-            formats=recipe.formats,
-            scale_rounding=recipe.scale_rounding,
+    return values.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+def _tensorwise_state(recipe, kernel, input_scale):
+    """E4M3 codes of the kernel, its power-of-two scale and the input's."""
+    kernel_scale = _scale(np.max(np.abs(kernel)), recipe.margin)
+    # The codes `fp8.quantize` gives (clip, then round to nearest even).
+    codes = np.clip(kernel / kernel_scale, -448.0, 448.0)
+    return {
+        "fp8_kernel_codes": codes.astype(ml_dtypes.float8_e4m3fn).view(
+            np.uint8
         ),
+        "fp8_kernel_scale": keras.ops.convert_to_numpy(kernel_scale),
+        "fp8_input_scale": np.float32(input_scale),
+    }
+
+
+def _mx_state(layer, recipe, kernel):
+    """An MXFP8 layer's kernel as its GEMM's `[K, N]` matrix, E4M3 codes
+    and E8M0 scales in blocks of 32 along K (the forward GEMM's blocks, so
+    the frozen GEMM multiplies the values training's forward did)."""
+    codes, scale = mxfp8.quantize(
+        _gemm_matrix(layer, kernel),
+        axis=0,
+        scale_rounding=recipe.scale_rounding,
     )
-    _keras_internals.replace_layer_policy(layer, policy)
-    fp8_layers.sync_stats_carrier(layer)
-    state = fp8_layers.static_state(layer)
-    state["fp8_kernel_codes"].assign(codes)
-    state["fp8_kernel_scale"].assign(keras.ops.convert_to_numpy(scale))
-    layer.trainable = False
+    return {
+        "fp8_kernel_codes": _e4m3_bits(codes),
+        "fp8_kernel_scale": keras.ops.convert_to_numpy(scale),
+    }
 
 
-def _freeze_nv(layer, recipe, kernel):
-    """An NVFP4 layer frozen: its kernel as its GEMM's `[K, N]` matrix,
-    quantized as training's forward quantizes it (16x16 tiles, round to
-    nearest even): E2M1 codes packed two a byte along K (`[K / 2, N]`),
-    the tiles' E4M3 scales (`[K / 16, N / 16]`) and the tensor scale."""
-    if isinstance(layer, keras.layers.EinsumDense):
-        permutation, k, n = kernel_matrix(layer.equation, kernel.shape)
-        kernel = np.transpose(kernel, permutation).reshape(k, n)
+def _nv_state(layer, kernel):
+    """An NVFP4 layer's kernel as its GEMM's `[K, N]` matrix, quantized as
+    training's forward quantizes it (16x16 tiles, round to nearest even):
+    E2M1 codes packed two a byte along K (`[K / 2, N]`), the tiles' E4M3
+    scales (`[K / 16, N / 16]`) and the tensor scale."""
     tile = (nvfp4.BLOCK_SIZE, nvfp4.BLOCK_SIZE)
-    codes, (block, tensor_scale) = nvfp4.quantize(kernel, block_shape=tile)
-    packed = keras.ops.convert_to_numpy(nvfp4.pack(codes, 0))
-    # As bit patterns: not every backend converts FP8 tensors to NumPy.
-    block = keras.ops.convert_to_numpy(keras.ops.cast(block, "float32"))
-    block = block.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-    _drop_lora(layer)
-    policy = Policy(
-        policy_module.layer_policy(layer).name,
-        loss_scale=None,
-        fp8=fp8.Recipe(
-            scaling="static",
-            formats=recipe.formats,
-            stochastic_rounding=recipe.stochastic_rounding,
-            hadamard=recipe.hadamard,
-        ),
+    codes, (block, tensor_scale) = nvfp4.quantize(
+        _gemm_matrix(layer, kernel), block_shape=tile
     )
-    _keras_internals.replace_layer_policy(layer, policy)
-    fp8_layers.sync_stats_carrier(layer)
-    state = fp8_layers.static_state(layer)
-    state["fp8_kernel_codes"].assign(packed)
-    state["fp8_kernel_scale"].assign(block)
-    state["fp8_kernel_tensor_scale"].assign(
-        keras.ops.convert_to_numpy(tensor_scale)
-    )
-    layer.trainable = False
+    return {
+        "fp8_kernel_codes": keras.ops.convert_to_numpy(nvfp4.pack(codes, 0)),
+        "fp8_kernel_scale": _e4m3_bits(block),
+        "fp8_kernel_tensor_scale": keras.ops.convert_to_numpy(tensor_scale),
+    }
+
+
+# The fields a frozen layer's recipe keeps from its training recipe.
+_STATIC_FIELDS = (
+    "formats",
+    "margin",
+    "scale_rounding",
+    "stochastic_rounding",
+    "hadamard",
+)
+
+
+def _static_recipe(recipe):
+    """`Recipe(scaling="static")` of the format `recipe` trained with."""
+    config = recipe.get_config()
+    kept = {name: config[name] for name in _STATIC_FIELDS if name in config}
+    return fp8.Recipe(scaling="static", **kept)
 
 
 def freeze(model, calibration_data=None):
@@ -282,32 +291,22 @@ def freeze(model, calibration_data=None):
         recipe = fp8_layers.layer_recipe(layer)
         kernel = _merged_kernel(layer)
         if recipe.formats in NV_FORMATS:
-            _freeze_nv(layer, recipe, kernel)
-            continue
-        if recipe.scale_rounding is not None:
-            _freeze_mx(layer, recipe, kernel)
-            continue
-        kernel_scale = _scale(np.max(np.abs(kernel)), recipe.margin)
-        # The codes `fp8.quantize` gives (clip, then round to nearest even),
-        # as bit patterns: not every backend converts FP8 tensors to NumPy.
-        codes = np.clip(kernel / kernel_scale, -448.0, 448.0)
-        codes = codes.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+            values = _nv_state(layer, kernel)
+        elif recipe.scale_rounding is not None:
+            values = _mx_state(layer, recipe, kernel)
+        else:
+            values = _tensorwise_state(recipe, kernel, scales[layer])
         _drop_lora(layer)
         policy = Policy(
             policy_module.layer_policy(layer).name,
             loss_scale=None,
-            fp8=fp8.Recipe(
-                scaling="static", formats=recipe.formats, margin=recipe.margin
-            ),
+            fp8=_static_recipe(recipe),
         )
         _keras_internals.replace_layer_policy(layer, policy)
         fp8_layers.sync_stats_carrier(layer)
         state = fp8_layers.static_state(layer)
-        state["fp8_kernel_codes"].assign(codes)
-        state["fp8_kernel_scale"].assign(
-            keras.ops.convert_to_numpy(kernel_scale)
-        )
-        state["fp8_input_scale"].assign(np.float32(scales[layer]))
+        for name, value in values.items():
+            state[name].assign(value)
         layer.trainable = False
     for name in ("train_function", "test_function", "predict_function"):
         if getattr(model, name, None) is not None:
