@@ -92,42 +92,11 @@ class StatePrecisionMixin:
             self._install_float8_state(base)
             return
         slot_ids = set()
-        create_from_reference = base.add_variable_from_reference
-        create = base.add_variable
-        # Set while `add_variable_from_reference` creates a slot, whose
-        # `add_variable` call then gets the state dtype.
-        creating_slot = []
-
-        def add_variable_from_reference(
-            reference_variable, name=None, initializer="zeros"
-        ):
-            if (
-                name in _keras_internals.NON_STATE_SLOT_NAMES
-                or not keras.backend.is_float_dtype(reference_variable.dtype)
-                or overwrites_with_gradient(reference_variable)
-            ):
-                return create_from_reference(
-                    reference_variable, name, initializer
-                )
-            creating_slot.append(True)
-            try:
-                slot = create_from_reference(
-                    reference_variable, name, initializer
-                )
-            finally:
-                creating_slot.pop()
-            slot_ids.add(id(slot))
-            return slot
-
-        def add_variable(*args, **kwargs):
-            if creating_slot:
-                kwargs["dtype"] = state_dtype
-            return create(*args, **kwargs)
-
-        base.__dict__["add_variable_from_reference"] = (
-            add_variable_from_reference
+        _hook_slot_creation(
+            base,
+            state_dtype,
+            lambda reference, name, slot: slot_ids.add(id(slot)),
         )
-        base.__dict__["add_variable"] = add_variable
         if state_dtype not in _HALF_DTYPES:
             # float32 slots store the float32 result as it is. Torch's bulk
             # updates could not store into slots of another dtype than the
@@ -222,21 +191,9 @@ class StatePrecisionMixin:
             else None,
         )
         self.__dict__["_float8_slots"] = slots
-        create_from_reference = base.add_variable_from_reference
         create = base.add_variable
-        creating_slot = []
 
-        def add_variable_from_reference(
-            reference_variable, name=None, initializer="zeros"
-        ):
-            if (
-                name in _keras_internals.NON_STATE_SLOT_NAMES
-                or not keras.backend.is_float_dtype(reference_variable.dtype)
-                or overwrites_with_gradient(reference_variable)
-            ):
-                return create_from_reference(
-                    reference_variable, name, initializer
-                )
+        def check(name, initializer):
             if name not in float8_state.ADAM_SLOTS or initializer != "zeros":
                 raise ValueError(
                     "state_dtype='float8' holds Adam's moments only (slots "
@@ -244,13 +201,8 @@ class StatePrecisionMixin:
                     f"Received: a slot {name!r} of {base.name!r} with "
                     f"initializer {initializer!r}. Use state_dtype='bfloat16'."
                 )
-            creating_slot.append(True)
-            try:
-                codes = create_from_reference(
-                    reference_variable, name, initializer
-                )
-            finally:
-                creating_slot.pop()
+
+        def add_scales(reference_variable, name, codes):
             size = int(np.prod(reference_variable.shape))
             scales = create(
                 shape=(float8_state.block_count(size),),
@@ -259,13 +211,8 @@ class StatePrecisionMixin:
                 name=f"{codes.name}_scale",
             )
             slots.add(reference_variable, name, codes, scales)
-            return codes
 
-        def add_variable(*args, **kwargs):
-            if creating_slot:
-                kwargs["dtype"] = "uint8"
-            return create(*args, **kwargs)
-
+        _hook_slot_creation(base, "uint8", add_scales, check)
         update_step = base.update_step
 
         def hooked_update_step(gradient, variable, learning_rate):
@@ -273,11 +220,7 @@ class StatePrecisionMixin:
                 return update_step(gradient, variable, learning_rate)
             return slots.update_step(gradient, variable, learning_rate)
 
-        base.__dict__.update(
-            add_variable_from_reference=add_variable_from_reference,
-            add_variable=add_variable,
-            update_step=hooked_update_step,
-        )
+        base.__dict__["update_step"] = hooked_update_step
         optimizer_state.route_updates_through_update_step(base)
         optimizer_state.compile_update_with_xla(base)
 
@@ -485,6 +428,47 @@ class StatePrecisionMixin:
             master = self._master_variables.get(id(variable))
             if master is not None:
                 variable.assign(ops.cast(master.value, variable.dtype))
+
+
+def _hook_slot_creation(base, dtype, on_slot, check=None):
+    """Makes `base` create its state slots in `dtype`: every slot made from
+    a float variable by `add_variable_from_reference`, except Keras's slots
+    that are not state (`NON_STATE_SLOT_NAMES`) and those of a variable
+    that overwrites itself with its gradient. `check(name, initializer)`
+    may refuse a slot before it is made; `on_slot(reference, name, slot)`
+    is told of each one made."""
+    create_from_reference = base.add_variable_from_reference
+    create = base.add_variable
+    # Set while `add_variable_from_reference` creates a slot, whose
+    # `add_variable` call then gets the state dtype.
+    creating_slot = []
+
+    def add_variable_from_reference(
+        reference_variable, name=None, initializer="zeros"
+    ):
+        if (
+            name in _keras_internals.NON_STATE_SLOT_NAMES
+            or not keras.backend.is_float_dtype(reference_variable.dtype)
+            or overwrites_with_gradient(reference_variable)
+        ):
+            return create_from_reference(reference_variable, name, initializer)
+        if check is not None:
+            check(name, initializer)
+        creating_slot.append(True)
+        try:
+            slot = create_from_reference(reference_variable, name, initializer)
+        finally:
+            creating_slot.pop()
+        on_slot(reference_variable, name, slot)
+        return slot
+
+    def add_variable(*args, **kwargs):
+        if creating_slot:
+            kwargs["dtype"] = dtype
+        return create(*args, **kwargs)
+
+    base.__dict__["add_variable_from_reference"] = add_variable_from_reference
+    base.__dict__["add_variable"] = add_variable
 
 
 def check_state_arguments(state_dtype, stochastic_rounding, master_weights):
