@@ -8,6 +8,7 @@ of the oracle's dequantized operands (`fp8_reference.mx_quantize`), the
 definition of an MXFP8 GEMM on a CPU.
 """
 
+import functools
 import math
 
 import keras
@@ -17,6 +18,8 @@ from keras import ops
 
 import keras_mp
 from keras_mp import fp8
+from keras_mp.testing import backend_einsum
+from keras_mp.testing import block_spread_operands
 from keras_mp.testing import fp8_reference as reference
 from keras_mp.testing import gemm_and_gradients
 from keras_mp.testing import to_numpy
@@ -38,20 +41,7 @@ def _dequantized(t, axis, rounding):
     return reference.mx_dequantize(codes, scale, axis).astype(np.float32)
 
 
-def _operands(m=48, k=96, n=64, seed=0):
-    rng = np.random.default_rng(seed)
-    # Blocks of very different magnitudes: each block's scale matters.
-    x = rng.normal(size=(m, k)) * np.exp2(rng.uniform(-6, 6, (m, 1)))
-    w = rng.normal(size=(k, n)) * np.exp2(rng.uniform(-6, 6, (1, n)))
-    g = rng.normal(size=(m, n)) * np.exp2(rng.uniform(-6, 6, (m, 1)))
-    return x.astype("float32"), w.astype("float32"), g.astype("float32")
-
-
-def _einsum(equation, a, b):
-    """The backend's own float32 GEMM, as `fp8.dot` writes it."""
-    return to_numpy(
-        ops.einsum(equation, ops.convert_to_tensor(a), ops.convert_to_tensor(b))
-    )
+_operands = functools.partial(block_spread_operands, m=48, k=96, n=64)
 
 
 @pytest.mark.parametrize("rounding", ["rceil", "floor"])
@@ -63,19 +53,19 @@ def test_each_gemm_is_the_float32_matmul_of_its_dequantized_operands(rounding):
     m = x.shape[0]
     expected = {
         # Forward: x along K, the kernel along K.
-        "out": _einsum(
+        "out": backend_einsum(
             "mk,kn->mn",
             _dequantized(x, 1, rounding),
             _dequantized(w, 0, rounding),
         ),
         # Input gradient: g along N, the kernel along N.
-        "dx": _einsum(
+        "dx": backend_einsum(
             "mn,kn->mk",
             _dequantized(g, 1, rounding),
             _dequantized(w, 1, rounding),
         ),
         # Kernel gradient: x and g along the tokens (48, padded to 64).
-        "dw": _einsum(
+        "dw": backend_einsum(
             "mk,mn->kn",
             _dequantized(x, 0, rounding),
             _dequantized(g, 0, rounding),
@@ -95,7 +85,7 @@ def test_operands_are_quantized_along_each_gemms_own_axis():
     _, _, dw = gemm_and_gradients(
         lambda a, b: fp8.dot(a, b, RECIPES["rceil"]), x64, w, g64
     )
-    forward_codes = _einsum(
+    forward_codes = backend_einsum(
         "mk,mn->kn",
         _dequantized(x64, 1, "rceil"),
         _dequantized(g64, 1, "rceil"),

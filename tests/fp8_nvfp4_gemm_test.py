@@ -10,6 +10,7 @@ dequantized operands (`fp8_reference.nv_quantize`, with the random bits of
 `fp8_reference.nv_rounding_bits`).
 """
 
+import functools
 import math
 
 import keras
@@ -22,6 +23,8 @@ import keras_mp
 from keras_mp import fp8
 from keras_mp.fp8 import nvfp4
 from keras_mp.fp8.quantizers import nvfp4 as nvfp4_quantizer
+from keras_mp.testing import backend_einsum
+from keras_mp.testing import block_spread_operands
 from keras_mp.testing import fp8_reference as reference
 from keras_mp.testing import gemm_and_gradients
 from keras_mp.testing import to_numpy
@@ -45,20 +48,7 @@ def _tokens(t, hadamard):
     return reference.nv_hadamard(t, 0) if hadamard else t
 
 
-def _operands(m=40, k=48, n=32, seed=0):
-    rng = np.random.default_rng(seed)
-    # Blocks of very different magnitudes: each block's scale matters.
-    x = rng.normal(size=(m, k)) * np.exp2(rng.uniform(-6, 6, (m, 1)))
-    w = rng.normal(size=(k, n)) * np.exp2(rng.uniform(-6, 6, (1, n)))
-    g = rng.normal(size=(m, n)) * np.exp2(rng.uniform(-6, 6, (m, 1)))
-    return x.astype("float32"), w.astype("float32"), g.astype("float32")
-
-
-def _einsum(equation, a, b):
-    """The backend's own float32 GEMM, as `fp8.dot` writes it."""
-    return to_numpy(
-        ops.einsum(equation, ops.convert_to_tensor(a), ops.convert_to_tensor(b))
-    )
+_operands = functools.partial(block_spread_operands, m=40, k=48, n=32)
 
 
 @pytest.mark.parametrize("stochastic_rounding", [True, False])
@@ -79,14 +69,14 @@ def test_each_gemm_is_the_float32_matmul_of_its_dequantized_operands(
     tiles = _values(w)
     expected = {
         # Forward: x along K (RN), the kernel's 16x16 tiles (RN).
-        "out": _einsum("mk,kn->mn", _values(x, 1), tiles),
+        "out": backend_einsum("mk,kn->mn", _values(x, 1), tiles),
         # Input gradient: g along N (SR), the same tiles.
-        "dx": _einsum(
+        "dx": backend_einsum(
             "mn,kn->mk", _values(g, 1, "input_gradient" if sr else None), tiles
         ),
         # Kernel gradient: x and g along the tokens (40, padded to 48),
         # rotated; x RN, g SR.
-        "dw": _einsum(
+        "dw": backend_einsum(
             "mk,mn->kn",
             _values(_tokens(x, hadamard), 0),
             _values(_tokens(g, hadamard), 0, "kernel_gradient" if sr else None),

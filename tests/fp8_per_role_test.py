@@ -5,30 +5,21 @@ role's GEMMs in high precision (`high_precision="backward"`, TE's
 under a high-precision forward). Each GEMM is checked bit for bit against
 the backend's float32 GEMM of what that role multiplies."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
-from keras import ops
 
 import keras_mp
 from keras_mp import fp8
+from keras_mp.testing import backend_einsum
+from keras_mp.testing import block_spread_operands
 from keras_mp.testing import fp8_reference as reference
 from keras_mp.testing import gemm_and_gradients
 from keras_mp.testing import to_numpy
 
-
-def _operands(m=64, k=96, n=64, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(m, k)) * np.exp2(rng.uniform(-6, 6, (m, 1)))
-    w = rng.normal(size=(k, n)) * np.exp2(rng.uniform(-6, 6, (1, n)))
-    g = rng.normal(size=(m, n)) * np.exp2(rng.uniform(-6, 6, (m, 1)))
-    return x.astype("float32"), w.astype("float32"), g.astype("float32")
-
-
-def _einsum(equation, a, b):
-    return to_numpy(
-        ops.einsum(equation, ops.convert_to_tensor(a), ops.convert_to_tensor(b))
-    )
+_operands = functools.partial(block_spread_operands, m=64, k=96, n=64)
 
 
 def _mx(t, axis, fmt="e4m3"):
@@ -44,13 +35,13 @@ def test_mxfp8_hybrid_quantizes_the_output_gradient_in_e5m2_blocks():
     x, w, g = _operands()
     out, dx, dw = _run(fp8.Recipe(formats="mxfp8_hybrid"), x, w, g)
     np.testing.assert_array_equal(
-        to_numpy(out), _einsum("mk,kn->mn", _mx(x, 1), _mx(w, 0))
+        to_numpy(out), backend_einsum("mk,kn->mn", _mx(x, 1), _mx(w, 0))
     )
     np.testing.assert_array_equal(
-        to_numpy(dx), _einsum("mn,kn->mk", _mx(g, 1, "e5m2"), _mx(w, 1))
+        to_numpy(dx), backend_einsum("mn,kn->mk", _mx(g, 1, "e5m2"), _mx(w, 1))
     )
     np.testing.assert_array_equal(
-        to_numpy(dw), _einsum("mk,mn->kn", _mx(x, 0), _mx(g, 0, "e5m2"))
+        to_numpy(dw), backend_einsum("mk,mn->kn", _mx(x, 0), _mx(g, 0, "e5m2"))
     )
     # E5M2 keeps 2 mantissa bits where E4M3 keeps 3: another result.
     _, dx_e4m3, _ = _run(fp8.Recipe(formats="mxfp8"), x, w, g)
@@ -64,8 +55,12 @@ def test_a_high_precision_backward_multiplies_the_unquantized_operands():
     out, dx, dw = _run(recipe, x, w, g)
     expected_out, _, _ = _run(fp8.Recipe(formats="mxfp8"), x, w, g)
     np.testing.assert_array_equal(to_numpy(out), to_numpy(expected_out))
-    np.testing.assert_array_equal(to_numpy(dx), _einsum("mn,kn->mk", g, w))
-    np.testing.assert_array_equal(to_numpy(dw), _einsum("mk,mn->kn", x, g))
+    np.testing.assert_array_equal(
+        to_numpy(dx), backend_einsum("mn,kn->mk", g, w)
+    )
+    np.testing.assert_array_equal(
+        to_numpy(dw), backend_einsum("mk,mn->kn", x, g)
+    )
 
 
 @pytest.mark.parametrize("formats", ["nvfp4", "mxfp8"])
@@ -74,7 +69,9 @@ def test_a_high_precision_forward_keeps_the_quantized_gradients(formats):
     recipe = fp8.Recipe(formats=formats, high_precision="forward")
     out, dx, dw = _run(recipe, x, w, g)
     _, expected_dx, expected_dw = _run(fp8.Recipe(formats=formats), x, w, g)
-    np.testing.assert_array_equal(to_numpy(out), _einsum("mk,kn->mn", x, w))
+    np.testing.assert_array_equal(
+        to_numpy(out), backend_einsum("mk,kn->mn", x, w)
+    )
     np.testing.assert_array_equal(to_numpy(dx), to_numpy(expected_dx))
     np.testing.assert_array_equal(to_numpy(dw), to_numpy(expected_dw))
 

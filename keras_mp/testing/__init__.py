@@ -20,6 +20,8 @@ __all__ = [
     "apply_as_fit",
     "assert_bitwise_equal",
     "assert_close",
+    "backend_einsum",
+    "block_spread_operands",
     "bytes_per_parameter",
     "count_host_syncs",
     "describe_machine",
@@ -111,6 +113,28 @@ def gemm_and_gradients(function, x, kernel, g, jit=True):
     out = function(x, kernel)
     out.backward(ops.convert_to_tensor(g).to(out.dtype))
     return out.detach(), x.grad, kernel.grad
+
+
+def block_spread_operands(m, k, n, seed=0):
+    """`x [m, k]`, a kernel `[k, n]` and an output gradient `[m, n]` in
+    float32 whose rows (x, g) and columns (the kernel) span very different
+    magnitudes (2**-6 to 2**6), so each block's scale of a block format
+    matters."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(m, k)) * np.exp2(rng.uniform(-6, 6, (m, 1)))
+    w = rng.normal(size=(k, n)) * np.exp2(rng.uniform(-6, 6, (1, n)))
+    g = rng.normal(size=(m, n)) * np.exp2(rng.uniform(-6, 6, (m, 1)))
+    return x.astype("float32"), w.astype("float32"), g.astype("float32")
+
+
+def backend_einsum(equation, a, b):
+    """The backend's own float32 GEMM of NumPy operands, as `fp8.dot`
+    writes its GEMMs, as a NumPy array."""
+    from keras import ops
+
+    return to_numpy(
+        ops.einsum(equation, ops.convert_to_tensor(a), ops.convert_to_tensor(b))
+    )
 
 
 def describe_machine():
