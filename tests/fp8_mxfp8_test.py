@@ -15,18 +15,13 @@ import pytest
 from keras import ops
 
 from keras_mp.fp8 import mxfp8
+from keras_mp.testing import assert_fp8_codes_equal
 from keras_mp.testing import fp8_reference as reference
 from keras_mp.testing import to_numpy
 
 DTYPES = ["float32", "bfloat16", "float16"]
 ROUNDINGS = ["rceil", "floor"]
 ROWS, COLUMNS = 256, 128  # 8 x 4 tiles of 32 x 32
-
-
-def _bits(codes):
-    if keras.backend.backend() == "torch":
-        return to_numpy(ops.view(codes, "uint8"))
-    return np.asarray(ops.convert_to_numpy(codes)).view(np.uint8)
 
 
 def _next_up(value):
@@ -81,19 +76,6 @@ def _data(dtype, seed=0):
         return x.astype(dtype)
 
 
-def _assert_codes_equal(codes, expected):
-    bits, expected_bits = _bits(codes), expected.view(np.uint8)
-    assert bits.shape == expected_bits.shape
-    expected_nan = np.isnan(expected.astype(np.float32))
-    nan = np.isnan(to_numpy(ops.cast(codes, "float32")))
-    np.testing.assert_array_equal(nan, expected_nan)
-    mismatch = (bits != expected_bits) & ~expected_nan
-    assert not mismatch.any(), (
-        f"{mismatch.sum()} codes differ, e.g. got {bits[mismatch][:5]}, "
-        f"expected {expected_bits[mismatch][:5]}"
-    )
-
-
 def _assert_float32_bits_equal(values, expected):
     values = to_numpy(values)
     assert values.dtype == np.float32 and values.shape == expected.shape
@@ -121,7 +103,7 @@ def test_codes_scales_and_values_match_numpy_and_ml_dtypes(
     expected_codes, expected_scale = reference.mx_quantize(host, axis, rounding)
     assert keras.backend.standardize_dtype(codes.dtype) == "float8_e4m3fn"
     assert keras.backend.standardize_dtype(scale.dtype) == "uint8"
-    _assert_codes_equal(codes, expected_codes)
+    assert_fp8_codes_equal(codes, expected_codes)
     np.testing.assert_array_equal(to_numpy(scale), expected_scale)
     _assert_float32_bits_equal(
         mxfp8.dequantize(codes, scale, axis),
@@ -140,7 +122,7 @@ def test_e5m2_elements_match_numpy_and_ml_dtypes(axis, rounding):
         host, axis, rounding, fmt="e5m2"
     )
     assert keras.backend.standardize_dtype(codes.dtype) == "float8_e5m2"
-    _assert_codes_equal(codes, expected_codes)
+    assert_fp8_codes_equal(codes, expected_codes)
     np.testing.assert_array_equal(to_numpy(scale), expected_scale)
     # One binade of E5M2's range above E4M3's: 7 codes lower.
     e4m3_scale = to_numpy(mxfp8.quantize(host, axis, rounding)[1]).astype(int)
@@ -356,7 +338,7 @@ def test_compiled_quantize_and_dequantize_give_the_eager_bits(rounding):
     eager = run(ops.convert_to_tensor(x))
     expected_codes, _ = reference.mx_quantize(x, -1, rounding)
     for codes, scale, rows, columns in compiled:
-        _assert_codes_equal(codes, expected_codes)
+        assert_fp8_codes_equal(codes, expected_codes)
         np.testing.assert_array_equal(to_numpy(scale), to_numpy(eager[1]))
         _assert_float32_bits_equal(rows, to_numpy(eager[2]))
         _assert_float32_bits_equal(columns, to_numpy(eager[3]))
@@ -383,7 +365,7 @@ def test_a_traced_call_with_unknown_dimensions_gives_the_same_bits():
         )
         codes, scale, values = traced(x[:, :, None])
         expected_codes, expected_scale = reference.mx_quantize(x, 1)
-        _assert_codes_equal(codes[..., 0], expected_codes)
+        assert_fp8_codes_equal(codes[..., 0], expected_codes)
         np.testing.assert_array_equal(to_numpy(scale)[..., 0], expected_scale)
         _assert_float32_bits_equal(
             values[..., 0],
@@ -419,7 +401,7 @@ def test_codes_and_scales_match_jax_scaled_dot_general_quantize():
     np.testing.assert_array_equal(
         to_numpy(scale), np.asarray(jax_scale).view(np.uint8)
     )
-    _assert_codes_equal(codes, np.asarray(jax_codes))
+    assert_fp8_codes_equal(codes, np.asarray(jax_codes))
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from keras import ops
 
 from keras_mp import fp8
+from keras_mp.testing import assert_fp8_codes_equal
 from keras_mp.testing import fp8_reference as reference
 from keras_mp.testing import to_numpy
 
@@ -178,27 +179,6 @@ def _flushed(x):
     return np.where(subnormal, np.copysign(np.float32(0), x), x)
 
 
-def _code_bits(codes):
-    if keras.backend.backend() == "torch":
-        return to_numpy(ops.view(codes, "uint8"))
-    # Flattened first: TensorFlow cannot convert a 0-d FP8 tensor.
-    flat = np.asarray(ops.convert_to_numpy(ops.reshape(codes, (-1,))))
-    return flat.view(np.uint8).reshape(tuple(codes.shape))
-
-
-def _assert_codes_equal(codes, expected):
-    bits, expected_bits = _code_bits(codes), expected.view(np.uint8)
-    assert bits.shape == expected_bits.shape
-    expected_nan = np.isnan(expected.astype(np.float32))
-    nan = np.isnan(to_numpy(ops.cast(codes, "float32")))
-    np.testing.assert_array_equal(nan, expected_nan)
-    mismatch = (bits != expected_bits) & ~expected_nan
-    assert not mismatch.any(), (
-        f"{mismatch.sum()} codes differ, e.g. got {bits[mismatch][:5]}, "
-        f"expected {expected_bits[mismatch][:5]}"
-    )
-
-
 @hypothesis.settings(**_SETTINGS)
 @hypothesis.given(quantize_cases())
 def test_codes_and_scales_match_the_oracle_bit_for_bit(case):
@@ -229,7 +209,7 @@ def test_codes_and_scales_match_the_oracle_bit_for_bit(case):
     )
     expected_codes = reference.encode(oracle_input, full, fmt)
     assert keras.backend.standardize_dtype(codes.dtype) == _CODE_DTYPES[fmt]
-    _assert_codes_equal(codes, expected_codes)
+    assert_fp8_codes_equal(codes, expected_codes)
     scale = to_numpy(scale)
     assert scale.dtype == np.float32
     np.testing.assert_array_equal(scale, expected_scale)

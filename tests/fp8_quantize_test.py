@@ -14,6 +14,8 @@ import pytest
 from keras import ops
 
 from keras_mp import fp8
+from keras_mp.testing import assert_fp8_codes_equal
+from keras_mp.testing import fp8_code_bits
 from keras_mp.testing import fp8_reference as reference
 from keras_mp.testing import to_numpy
 
@@ -29,12 +31,6 @@ MODES = [
     ("block", -1, (128, 128)),
 ]
 ROWS, COLUMNS = 1664, 128  # 212,992 values, 2**-20 ... 2**12
-
-
-def _bits(codes):
-    if keras.backend.backend() == "torch":
-        return to_numpy(ops.view(codes, "uint8"))
-    return np.asarray(ops.convert_to_numpy(codes)).view(np.uint8)
 
 
 def _special_values(fmt):
@@ -67,19 +63,6 @@ def _with_specials(x, fmt):
     return x.astype(x.dtype)
 
 
-def _assert_codes_equal(codes, expected):
-    bits, expected_bits = _bits(codes), expected.view(np.uint8)
-    assert bits.shape == expected_bits.shape
-    expected_nan = np.isnan(expected.astype(np.float32))
-    nan = np.isnan(to_numpy(ops.cast(codes, "float32")))
-    np.testing.assert_array_equal(nan, expected_nan)
-    mismatch = (bits != expected_bits) & ~expected_nan
-    assert not mismatch.any(), (
-        f"{mismatch.sum()} codes differ, e.g. got {bits[mismatch][:5]}, "
-        f"expected {expected_bits[mismatch][:5]}"
-    )
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: f"{m[0]}{m[1]}{m[2]}")
@@ -100,7 +83,7 @@ def test_codes_and_scales_match_numpy_and_ml_dtypes(mode, fmt, dtype):
     assert keras.backend.standardize_dtype(codes.dtype) == (
         "float8_e4m3fn" if fmt == "e4m3" else "float8_e5m2"
     )
-    _assert_codes_equal(codes, expected_codes)
+    assert_fp8_codes_equal(codes, expected_codes)
     np.testing.assert_array_equal(to_numpy(scale), expected_scale)
     assert to_numpy(scale).dtype == np.float32
 
@@ -113,7 +96,7 @@ def test_a_given_scale_clips_finite_values_and_keeps_inf_and_nan(fmt, dtype):
     codes, scale = fp8.quantize(
         ops.convert_to_tensor(host, dtype=dtype), fmt, scale=1.0
     )
-    _assert_codes_equal(codes, reference.encode(host, 1.0, fmt))
+    assert_fp8_codes_equal(codes, reference.encode(host, 1.0, fmt))
     assert float(to_numpy(scale)) == 1.0
     values = to_numpy(ops.cast(codes, "float32"))[:8, 0]
     fmax = reference.FORMATS[fmt][1]
@@ -137,7 +120,7 @@ def test_nonfinite_values_give_nonfinite_scales_never_clipped(mode, fmt):
     expected_codes, expected_scale = reference.quantize(
         x, fmt, granularity, axis, block_shape
     )
-    _assert_codes_equal(codes, expected_codes)
+    assert_fp8_codes_equal(codes, expected_codes)
     np.testing.assert_array_equal(to_numpy(scale), expected_scale)
     # The slices holding inf or NaN keep a non-finite scale.
     assert not np.isfinite(to_numpy(scale)).all()
@@ -246,15 +229,15 @@ def test_quantize_works_the_same_inside_a_compiled_function():
         import tensorflow as tf
 
         compiled = tf.function(run, jit_compile=True)(x)
-        _assert_codes_equal(tf.function(run)(x)[0], _np_codes(eager[0][0]))
+        assert_fp8_codes_equal(tf.function(run)(x)[0], _np_codes(eager[0][0]))
     else:
         pytest.skip("PyTorch runs eagerly: nothing to compile")
-    _assert_codes_equal(compiled[0], _np_codes(eager[0][0]))
+    assert_fp8_codes_equal(compiled[0], _np_codes(eager[0][0]))
     np.testing.assert_array_equal(to_numpy(compiled[1]), to_numpy(eager[0][1]))
 
 
 def _np_codes(codes):
-    return _bits(codes).view(ml_dtypes.float8_e5m2)
+    return fp8_code_bits(codes).view(ml_dtypes.float8_e5m2)
 
 
 @pytest.mark.parametrize(

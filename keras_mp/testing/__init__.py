@@ -20,11 +20,13 @@ __all__ = [
     "apply_as_fit",
     "assert_bitwise_equal",
     "assert_close",
+    "assert_fp8_codes_equal",
     "backend_einsum",
     "block_spread_operands",
     "bytes_per_parameter",
     "count_host_syncs",
     "describe_machine",
+    "fp8_code_bits",
     "gemm_and_gradients",
     "run_python",
     "run_script",
@@ -134,6 +136,35 @@ def backend_einsum(equation, a, b):
 
     return to_numpy(
         ops.einsum(equation, ops.convert_to_tensor(a), ops.convert_to_tensor(b))
+    )
+
+
+def fp8_code_bits(codes):
+    """The uint8 bit patterns of FP8 codes (a tensor), as NumPy."""
+    import keras
+    from keras import ops
+
+    if keras.backend.backend() == "torch":
+        return to_numpy(ops.view(codes, "uint8"))
+    # Flattened first: TensorFlow cannot convert a 0-d FP8 tensor.
+    flat = np.asarray(ops.convert_to_numpy(ops.reshape(codes, (-1,))))
+    return flat.view(np.uint8).reshape(tuple(codes.shape))
+
+
+def assert_fp8_codes_equal(codes, expected):
+    """FP8 `codes` (a tensor) hold `expected`'s (an `ml_dtypes` array)
+    bits, NaN payloads aside: where `expected` is NaN, NaN-ness alone."""
+    from keras import ops
+
+    bits, expected_bits = fp8_code_bits(codes), expected.view(np.uint8)
+    assert bits.shape == expected_bits.shape
+    expected_nan = np.isnan(expected.astype(np.float32))
+    nan = np.isnan(to_numpy(ops.cast(codes, "float32")))
+    np.testing.assert_array_equal(nan, expected_nan)
+    mismatch = (bits != expected_bits) & ~expected_nan
+    assert not mismatch.any(), (
+        f"{mismatch.sum()} codes differ, e.g. got {bits[mismatch][:5]}, "
+        f"expected {expected_bits[mismatch][:5]}"
     )
 
 
