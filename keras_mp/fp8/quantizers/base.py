@@ -127,6 +127,18 @@ def kernel_operand(w, fmt, axes, margin, layouts, shape=None):
     return fp8_backend.reuse(w, key, compute)
 
 
+def pad_rows(t, multiple):
+    """2-D `t` with zero rows appended up to a multiple of `multiple` (a
+    token count for the kernel gradient's blocks): a zero changes no
+    block's amax and no sum."""
+    rows = ops.shape(t)[0]
+    pad = -rows % multiple
+    if isinstance(rows, int):
+        return ops.pad(t, ((0, pad), (0, 0))) if pad else t
+    # A TensorFlow graph of unknown batch size: `pad` is a tensor.
+    return ops.concatenate([t, ops.zeros((pad, t.shape[1]), t.dtype)], 0)
+
+
 def scaled(product, factor):
     """A GEMM's product (float32, or bfloat16 where its result is cast to
     bfloat16: `einsum_float32`) times float32 power-of-two scales, in

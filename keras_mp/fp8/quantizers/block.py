@@ -14,6 +14,7 @@ from keras_mp.fp8.quantizers.base import ROW
 from keras_mp.fp8.quantizers.base import Quantizer
 from keras_mp.fp8.quantizers.base import kernel_operand
 from keras_mp.fp8.quantizers.base import operand
+from keras_mp.fp8.quantizers.base import pad_rows
 from keras_mp.fp8.recipe import BLOCK_SIZE
 
 
@@ -41,17 +42,6 @@ def _check_block_shape(x, block_shape):
             f"{BLOCK_SIZE} tiles along `axis`). Received: "
             f"block_shape={block_shape!r} for x.shape={tuple(x.shape)}"
         )
-
-
-def _pad_rows(t):
-    """`t` with zero rows appended up to a multiple of `BLOCK_SIZE`: a
-    zero changes no tile's amax and no sum."""
-    rows = ops.shape(t)[0]
-    pad = -rows % BLOCK_SIZE
-    if isinstance(rows, int):
-        return ops.pad(t, ((0, pad), (0, 0))) if pad else t
-    # A TensorFlow graph of unknown batch size: `pad` is a tensor.
-    return ops.concatenate([t, ops.zeros((pad, t.shape[1]), t.dtype)], 0)
 
 
 def _sum_tiles(partials):
@@ -159,13 +149,13 @@ class Block(Quantizer):
         x, margin = call.input(), call.margin
         k, n = x.shape[1], g.shape[1]
         (cx_m,), sx_m = operand(
-            ops.reshape(_pad_rows(x), (-1, BLOCK_SIZE, k)),
+            ops.reshape(pad_rows(x, BLOCK_SIZE), (-1, BLOCK_SIZE, k)),
             call.forward_format,
             1,
             margin,
         )  # sx_m: (tiles_m, 1, K)
         (cg_m,), sg_m = operand(
-            ops.reshape(_pad_rows(g), (-1, BLOCK_SIZE, n)),
+            ops.reshape(pad_rows(g, BLOCK_SIZE), (-1, BLOCK_SIZE, n)),
             call.backward_format,
             1,
             margin,

@@ -22,16 +22,7 @@ from keras import ops
 from keras_mp.backend import fp8 as fp8_backend
 from keras_mp.fp8 import mxfp8
 from keras_mp.fp8.quantizers.base import Quantizer
-
-
-def _pad_rows(t):
-    """`t` with zero rows appended up to a multiple of `mxfp8.BLOCK`."""
-    rows = ops.shape(t)[0]
-    pad = -rows % mxfp8.BLOCK
-    if isinstance(rows, int):
-        return ops.pad(t, ((0, pad), (0, 0))) if pad else t
-    # A TensorFlow graph of unknown batch size: `pad` is a tensor.
-    return ops.concatenate([t, ops.zeros((pad, t.shape[1]), t.dtype)], 0)
+from keras_mp.fp8.quantizers.base import pad_rows
 
 
 class Mxfp8(Quantizer):
@@ -100,7 +91,9 @@ class Mxfp8(Quantizer):
         32, columns]` (a block axis of known size, also where a traced
         TensorFlow step's token count is not) and quantized along it."""
         columns = t.shape[1]
-        tiled = ops.reshape(_pad_rows(t), (-1, mxfp8.BLOCK, columns))
+        tiled = ops.reshape(
+            pad_rows(t, mxfp8.BLOCK), (-1, mxfp8.BLOCK, columns)
+        )
         values = self._values(call, name, tiled, 1, fmt)
         return ops.reshape(values, (-1, columns))
 

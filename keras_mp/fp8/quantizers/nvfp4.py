@@ -40,21 +40,12 @@ from keras_mp import _random_bits
 from keras_mp.backend import fp8 as fp8_backend
 from keras_mp.fp8 import nvfp4
 from keras_mp.fp8.quantizers.base import Quantizer
+from keras_mp.fp8.quantizers.base import pad_rows
 
 TILE = (nvfp4.BLOCK_SIZE, nvfp4.BLOCK_SIZE)
 # The constant each stochastically rounded role mixes into its key, so the
 # two backward GEMMs draw different bits even from equal tensors.
 ROLE_KEYS = {"input_gradient": 1, "kernel_gradient": 2}
-
-
-def _pad_rows(t):
-    """`t` with zero rows appended up to a multiple of 16."""
-    rows = ops.shape(t)[0]
-    pad = -rows % nvfp4.BLOCK_SIZE
-    if isinstance(rows, int):
-        return ops.pad(t, ((0, pad), (0, 0))) if pad else t
-    # A TensorFlow graph of unknown batch size: `pad` is a tensor.
-    return ops.concatenate([t, ops.zeros((pad, t.shape[1]), t.dtype)], 0)
 
 
 def _flush(t):
@@ -186,8 +177,12 @@ class Nvfp4(Quantizer):
         # of known size where the token count is not (a TensorFlow graph
         # of unknown batch size); the same blocks as along axis 0 of the
         # padded `[tokens, columns]`.
-        x = ops.reshape(_pad_rows(call.input()), (-1, nvfp4.BLOCK_SIZE, k))
-        g = ops.reshape(_pad_rows(g), (-1, nvfp4.BLOCK_SIZE, n))
+        x = ops.reshape(
+            pad_rows(call.input(), nvfp4.BLOCK_SIZE), (-1, nvfp4.BLOCK_SIZE, k)
+        )
+        g = ops.reshape(
+            pad_rows(g, nvfp4.BLOCK_SIZE), (-1, nvfp4.BLOCK_SIZE, n)
+        )
         if self.hadamard:
             x, g = nvfp4.hadamard(x, 1), nvfp4.hadamard(g, 1)
         bits = self._bits(ops.reshape(g, (-1, n)), "kernel_gradient")
