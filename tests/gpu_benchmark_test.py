@@ -20,7 +20,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GPU = ROOT / "benchmarks" / "gpu"
-SECTIONS = {"torch": "abcde", "jax": "abcf"}
+SECTIONS = {"torch": "abcdeg", "jax": "abcf"}
 
 
 def _script():
@@ -55,7 +55,8 @@ def test_smoke_runs_every_section_and_writes_the_table(tmp_path):
         assert section["rows"], name
     table = (tmp_path / "table.md").read_text()
     assert result["device"] in table
-    assert table.count("\n") == 2 + sum(
+    rows = [line for line in table.splitlines() if line.startswith("|")]
+    assert len(rows) == 2 + sum(
         len(s["rows"]) for s in result["sections"].values()
     )
     if backend == "jax":
@@ -66,6 +67,15 @@ def test_smoke_runs_every_section_and_writes_the_table(tmp_path):
         (row,) = result["sections"]["policies"]["rows"]
         assert row["ratios"]["lso_vs_plain"] > 0
         assert row["host_syncs_per_step"]["mixed_bfloat16"] >= 1
+        # A CPU makes FP8 operands by copies; the table says which path.
+        assert result["fp8_operands"] == {"path": "copy", "failed": []}
+        assert "FP8 operands made by the 'copy' path" in table
+        (row,) = result["sections"]["state"]["rows"]
+        # Adam's two moments: 8, 4 and about 2 bytes a parameter.
+        state = row["state_bytes_per_param"]
+        assert 8 <= state["float32"] < 8.1, state
+        assert 4 <= state["bfloat16"] < 4.1, state
+        assert 2 <= state["float8"] < 2.3, state
 
 
 def test_audit_counts_the_gemms_of_an_optimized_module():

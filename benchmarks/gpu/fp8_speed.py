@@ -27,11 +27,18 @@ script cannot rot between GPU runs. Sections:
 - (f) `hlo` (JAX only): the compiled FP8 decoder step's optimized HLO:
   FP8 GEMM custom calls, float16 GEMMs, float32-output GEMMs, FP8
   transposes; and the FP8 dots before optimization.
+- (g) `state`: Adam's state in float32, bfloat16 and float8
+  (`keras_mp.OptimizerWrapper(state_dtype=...)`, issue 34) on the (e)
+  decoder under mixed_bfloat16: step time, state bytes per parameter read
+  from the variables, device memory held after a step and the allocator's
+  peak.
 
 Each section has a share of `--budget` seconds (what a section leaves
 unused passes on) and checks it between measurements: a section out of
 time stops, keeps what it measured, and says so; a section that fails
-records its error (`--smoke` re-raises it). Results go to
+records its error, and a candidate of a paired measurement that fails or
+finds no time left in its warm-up is dropped with the reason (`--smoke`
+re-raises every error). Results go to
 `$OUT/<backend>.json` after every section; `--table` merges the JSON files
 of a directory into `table.md`.
 
@@ -76,9 +83,13 @@ WEIGHTS = {
     "decoder": 90,
     "policies": 45,
     "hlo": 15,
+    "state": 25,
 }
 SECTIONS = tuple(WEIGHTS)
-LETTERS = dict(zip("abcdef", SECTIONS))
+LETTERS = dict(zip("abcdefg", SECTIONS))
+# The order they run in: the HLO audit (one compilation) before the
+# decoders, whose compilations on JAX can use up what is left.
+ORDER = ("gemm", "quantize", "dot", "hlo", "decoder", "policies", "state")
 # Rounds of each measurement (full run / --smoke) and calls per round.
 ROUNDS = (7, 2)
 CALLS = (10, 1)
@@ -121,7 +132,7 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--sections",
-        default="abcdef",
+        default="abcdefg",
         help="letters of the sections to run (default all)",
     )
     parser.add_argument(
@@ -189,12 +200,31 @@ def describe_device():
 def paired(functions, clock, smoke):
     """ABAB rounds of `functions` ({name: fn}, the first the baseline):
     {name: median ms per call}, {name: median per-round ratio baseline /
-    name}. Each function is called twice first (compilation, warm-up)."""
+    name}, {name: why it was not measured}. Each function is called twice
+    first (compilation, warm-up). Outside `--smoke`, a candidate whose
+    warm-up raises is dropped with its error, and the candidates not yet
+    warmed when the section's time runs out are dropped with that reason:
+    the others are still measured (two rounds at least)."""
     rounds, calls = ROUNDS[smoke], CALLS[smoke]
-    for fn in functions.values():
-        synchronize(fn())
-        synchronize(fn())
-        clock.check("warm-up")
+    functions = dict(functions)
+    dropped = {}
+    names = list(functions)
+    for index, name in enumerate(names):
+        if index and time.monotonic() > clock.deadline:
+            for rest in names[index:]:
+                dropped[rest] = "out of time in warm-up"
+                del functions[rest]
+            break
+        try:
+            synchronize(functions[name]())
+            synchronize(functions[name]())
+        except Exception as error:
+            if smoke or index == 0:
+                raise
+            traceback.print_exc()
+            dropped[name] = f"failed: {type(error).__name__}: {error}"[:300]
+            del functions[name]
+    clock.check("warm-up of the baseline")
     times = {name: [] for name in functions}
     names = list(functions)
     for index in range(rounds):
@@ -213,7 +243,14 @@ def paired(functions, clock, smoke):
         name: statistics.median(b / t for b, t in zip(times[base], times[name]))
         for name in names[1:]
     }
-    return ms, ratios
+    return ms, ratios, dropped
+
+
+def dropped_note(dropped):
+    """The note of the candidates `paired` dropped ("" if none)."""
+    return "; ".join(
+        f"{name} not measured: {why}" for name, why in dropped.items()
+    )
 
 
 def rows_of(section, item, ms, ratios, note="", **extra):
@@ -291,13 +328,14 @@ def section_gemm(clock, smoke):
         matmul = _jit(keras.ops.matmul)
         functions = {"bf16": lambda a=a, b=b, f=matmul: f(a, b)}
         functions.update(_fp8_gemm_functions(a, b))
-        ms, ratios = paired(functions, clock, smoke)
+        ms, ratios, dropped = paired(functions, clock, smoke)
         tflops = {name: 2 * m * k * n / t / 1e9 for name, t in ms.items()}
         rows += rows_of(
             "a",
             f"GEMM {m}x{k}x{n}",
             ms,
             ratios,
+            dropped_note(dropped),
             tflops={n: round(v, 1) for n, v in tflops.items()},
         )
     return rows
@@ -368,15 +406,12 @@ def section_quantize(clock, smoke):
     size = SIZES["quantize"][smoke]
     x = _normal((size, size), 2)
     functions = _quantize_functions(x)
-    names = list(functions)
     # The first is the baseline of the ratios; times are what matter.
-    ms, ratios = paired(functions, clock, smoke)
-    gbs = {name: size * size * 2 / (ms[name] * 1e-3) / 1e9 for name in names}
-    note = (
-        ""
-        if on_gpu() or backend() != "torch"
-        else ("torch.compile path: CUDA only")
-    )
+    ms, ratios, dropped = paired(functions, clock, smoke)
+    gbs = {name: size * size * 2 / (ms[name] * 1e-3) / 1e9 for name in ms}
+    note = dropped_note(dropped)
+    if not on_gpu() and backend() == "torch":
+        note = "; ".join(filter(None, [note, "torch.compile path: CUDA only"]))
     return rows_of(
         "b",
         f"quantize {size}x{size} bf16",
@@ -441,8 +476,10 @@ def _dot_functions(m, k, n):
 
 def section_dot(clock, smoke):
     m, k, n = SIZES["dot"][smoke]
-    ms, ratios = paired(_dot_functions(m, k, n), clock, smoke)
-    return rows_of("c", f"fp8.dot fwd+bwd {m}x{k}x{n}", ms, ratios)
+    ms, ratios, dropped = paired(_dot_functions(m, k, n), clock, smoke)
+    return rows_of(
+        "c", f"fp8.dot fwd+bwd {m}x{k}x{n}", ms, ratios, dropped_note(dropped)
+    )
 
 
 # ----------------------------------------------------- (d, e) decoder
@@ -485,9 +522,16 @@ def decoder(d, heads, layers, seq, vocab):
 
 
 def build_decoder(
-    sizes, policy, recipe=None, keras_alone=False, loss_scale_optimizer=False
+    sizes,
+    policy,
+    recipe=None,
+    keras_alone=False,
+    loss_scale_optimizer=False,
+    state_dtype=None,
 ):
-    """The decoder, compiled with Adam, under `policy` (and `recipe`)."""
+    """The decoder, compiled with Adam, under `policy` (and `recipe`); with
+    `state_dtype`, Adam in a `keras_mp.OptimizerWrapper` keeping its state
+    in that dtype."""
     import keras
 
     d, heads, layers, seq, _, vocab = sizes
@@ -505,6 +549,12 @@ def build_decoder(
             import keras_mp
 
             optimizer = keras_mp.LossScaleOptimizer(optimizer)
+        if state_dtype is not None:
+            import keras_mp
+
+            optimizer = keras_mp.OptimizerWrapper(
+                optimizer, state_dtype=state_dtype
+            )
         model.compile(
             optimizer,
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -538,9 +588,27 @@ def reset_peak():
             torch.cuda.reset_peak_memory_stats()
 
 
+def resident_gib():
+    """Device memory held now (torch's allocator, JAX's `bytes_in_use`);
+    None where the device says nothing."""
+    if backend() == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.memory_allocated() / 2**30
+        return None
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    held = stats.get("bytes_in_use")
+    return None if held is None else held / 2**30
+
+
 def peak_gib():
-    """Peak device memory since `reset_peak` (torch), or since the start
-    (JAX's `peak_bytes_in_use`); None where the device says nothing."""
+    """Peak device memory since `reset_peak` (torch), or since the process
+    started (JAX's `peak_bytes_in_use`: a later model shows the larger of
+    its own peak and the earlier ones'); None where the device says
+    nothing."""
     if backend() == "torch":
         import torch
 
@@ -558,15 +626,16 @@ def time_steps(model, batch, clock, smoke, count_syncs=False):
     """(median ms per `train_on_batch` step, peak GiB, host syncs/step)."""
     x, y = batch
     reset_peak()
+    # No clock in the warm-up: a model compiled is measured (two steps at
+    # least); the sections look at the clock before building the next.
     for _ in range(WARMUP[smoke]):
         model.train_on_batch(x, y)
-        clock.check("warm-up")
     times, syncs = [], None
     for _ in range(STEPS[smoke]):
         start = time.perf_counter()
         model.train_on_batch(x, y)
         times.append(time.perf_counter() - start)
-        if time.monotonic() > clock.deadline:
+        if len(times) >= 2 and time.monotonic() > clock.deadline:
             break
     if count_syncs and backend() == "torch":
         from keras_mp.testing import count_host_syncs
@@ -575,6 +644,15 @@ def time_steps(model, batch, clock, smoke, count_syncs=False):
             model.train_on_batch(x, y)
         syncs = sum(counts.values())
     return statistics.median(times) * 1e3, peak_gib(), syncs
+
+
+def _variant_failed(note, name, error):
+    """`note` with the failure of variant `name` added (the traceback goes
+    to the log; the other variants still run)."""
+    traceback.print_exc()
+    gc.collect()
+    failed = f"{name} failed: {type(error).__name__}: {error}"[:300]
+    return "; ".join(filter(None, [note, failed]))
 
 
 def _free(model):
@@ -601,7 +679,7 @@ def section_decoder(clock, smoke):
     if smoke:
         # The variants differ only in their recipe: two keep the path alive.
         recipes = {n: recipes[n] for n in ("bf16", "fp8_delayed")}
-    ms, peaks, fp8_layers = {}, {}, {}
+    ms, peaks, resident, fp8_layers = {}, {}, {}, {}
     note = ""
     # One model at a time (four d=4096 models and their Adam state do not
     # fit beside each other's activations): sequential, not ABAB.
@@ -610,6 +688,7 @@ def section_decoder(clock, smoke):
             clock.check("build")
             model = build_decoder(sizes, "mixed_bfloat16", recipe)
             ms[name], peaks[name], _ = time_steps(model, batch, clock, smoke)
+            resident[name] = resident_gib()
             fp8_layers[name] = sum(
                 getattr(layer.dtype_policy, "fp8", None) is not None
                 for layer in model._flatten_layers(include_self=False)
@@ -618,7 +697,15 @@ def section_decoder(clock, smoke):
         except OutOfTime:
             note = f"out of time before {name}"
             break
-    ratios = {name: ms["bf16"] / t for name, t in ms.items() if name != "bf16"}
+        except Exception as error:
+            if smoke:
+                raise
+            note = _variant_failed(note, name, error)
+    ratios = {
+        name: ms["bf16"] / t
+        for name, t in ms.items()
+        if name != "bf16" and "bf16" in ms
+    }
     d, heads, layers, seq, b, vocab = sizes
     return rows_of(
         "d",
@@ -629,11 +716,73 @@ def section_decoder(clock, smoke):
         peak_gib={
             n: (None if v is None else round(v, 2)) for n, v in peaks.items()
         },
+        resident_gib={
+            n: (None if v is None else round(v, 2)) for n, v in resident.items()
+        },
         fp8_layers=fp8_layers,
     )
 
 
-POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+def section_state(clock, smoke):
+    """Adam's state in float32, bfloat16 and float8 (issue 34) on the
+    policies' decoder under mixed_bfloat16: step time, bytes per parameter
+    read from the variables, device memory held after a step, and the
+    allocator's peak (torch: per model; JAX: since the process started)."""
+    from keras_mp.testing import bytes_per_parameter
+
+    sizes = SIZES["policies"][smoke]
+    batch = device_batch(sizes)
+    ms, state_bytes, resident, peaks = {}, {}, {}, {}
+    note = ""
+    for name in ("float32", "bfloat16", "float8"):
+        try:
+            clock.check("build")
+            model = build_decoder(
+                sizes,
+                "mixed_bfloat16",
+                state_dtype=None if name == "float32" else name,
+            )
+            ms[name], peaks[name], _ = time_steps(model, batch, clock, smoke)
+            resident[name] = resident_gib()
+            counted = bytes_per_parameter(model.weights, model.optimizer)
+            state_bytes[name] = round(counted["state"], 3)
+            _free(model)
+        except OutOfTime:
+            note = f"out of time before {name}"
+            break
+        except Exception as error:
+            if smoke:
+                raise
+            note = _variant_failed(note, name, error)
+    ratios = {
+        f"{name}_vs_bfloat16": t / ms["bfloat16"]
+        for name, t in ms.items()
+        if name != "bfloat16" and "bfloat16" in ms
+    }
+    d, _, layers, seq, b, _ = sizes
+    note = "; ".join(
+        filter(None, [note, "ratios: step time over bfloat16 state's"])
+    )
+
+    def rounded(values):
+        return {
+            n: (None if v is None else round(v, 2)) for n, v in values.items()
+        }
+
+    return rows_of(
+        "g",
+        f"Adam state d={d} L={layers} T={seq * b}",
+        ms,
+        ratios,
+        note,
+        state_bytes_per_param=state_bytes,
+        resident_gib=rounded(resident),
+        peak_gib=rounded(peaks),
+    )
+
+
+# The one the targets name first: a budget that runs out keeps it.
+POLICIES = ("mixed_bfloat16", "float32", "mixed_float16")
 
 
 def policies_keras_alone(clock, smoke):
@@ -642,8 +791,12 @@ def policies_keras_alone(clock, smoke):
     sizes = SIZES["policies"][smoke]
     batch = device_batch(sizes)
     ms = {}
-    for policy in POLICIES[1:2] if smoke else POLICIES:
-        clock.check("build")
+    for policy in POLICIES[:1] if smoke else POLICIES:
+        try:
+            clock.check("build")
+        except OutOfTime:
+            print(f"[policies] Keras alone: out of time before {policy}")
+            break
         model = build_decoder(sizes, policy, keras_alone=True)
         ms[f"keras_{policy}"] = time_steps(model, batch, clock, smoke)[0]
         _free(model)
@@ -654,26 +807,45 @@ def section_policies(clock, smoke, keras_ms):
     sizes = SIZES["policies"][smoke]
     batch = device_batch(sizes)
     ms, syncs = {}, {}
-    policies = POLICIES[1:2] if smoke else POLICIES
+    policies = POLICIES[:1] if smoke else POLICIES
     variants = [(p, p, False) for p in policies]
-    variants.append(("mixed_bfloat16_lso", "mixed_bfloat16", True))
+    variants.insert(1, ("mixed_bfloat16_lso", "mixed_bfloat16", True))
+    note = ""
     for name, policy, lso in variants:
-        clock.check("build")
-        model = build_decoder(sizes, policy, loss_scale_optimizer=lso)
-        ms[name], _, syncs[name] = time_steps(
-            model, batch, clock, smoke, count_syncs=True
-        )
-        _free(model)
+        try:
+            clock.check("build")
+            model = build_decoder(sizes, policy, loss_scale_optimizer=lso)
+            ms[name], _, syncs[name] = time_steps(
+                model, batch, clock, smoke, count_syncs=True
+            )
+            _free(model)
+        except OutOfTime:
+            note = f"out of time before {name}"
+            break
+        except Exception as error:
+            if smoke:
+                raise
+            note = _variant_failed(note, name, error)
     ratios = {}
     for policy in policies:
-        if f"keras_{policy}" in keras_ms:
+        if f"keras_{policy}" in keras_ms and policy in ms:
             # keras_mp's step time over Keras alone's (1.00: no overhead).
             ratios[f"{policy}_vs_keras"] = (
                 ms[policy] / keras_ms[f"keras_{policy}"]
             )
-    ratios["lso_vs_plain"] = ms["mixed_bfloat16_lso"] / ms["mixed_bfloat16"]
+    if "mixed_bfloat16_lso" in ms and "mixed_bfloat16" in ms:
+        ratios["lso_vs_plain"] = ms["mixed_bfloat16_lso"] / ms["mixed_bfloat16"]
     d, _, layers, seq, b, _ = sizes
-    note = "keras_mp / Keras alone: above 1 is slower; Keras alone ran first"
+    note = "; ".join(
+        filter(
+            None,
+            [
+                note,
+                "keras_mp / Keras alone: above 1 is slower; Keras alone "
+                "ran first",
+            ],
+        )
+    )
     return rows_of(
         "e",
         f"policies d={d} L={layers} T={seq * b}",
@@ -795,6 +967,7 @@ RUNNERS = {
     "dot": section_dot,
     "decoder": section_decoder,
     "hlo": section_hlo,
+    "state": section_state,
 }
 
 
@@ -803,7 +976,8 @@ def run(args):
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = os.environ.get("KERAS_BACKEND", "tensorflow")
-    wanted = [LETTERS[letter] for letter in sorted(set(args.sections))]
+    chosen = {LETTERS[letter] for letter in args.sections}
+    wanted = [section for section in ORDER if section in chosen]
     result = {"backend": name, "smoke": args.smoke, "sections": {}}
     path = out_dir / f"{name}.json"
 
@@ -869,6 +1043,20 @@ def run(args):
             traceback.print_exc()
             rows, status = [], f"failed: {type(error).__name__}: {error}"
         record(section, rows, status, time.monotonic() - begun)
+    if name == "torch":
+        # Which FP8 operand path served, and which failed to build.
+        import torch
+
+        from keras_mp.backend import torch_fp8_operands
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        probe = torch.zeros((16, 16), device=device)
+        result["fp8_operands"] = {
+            "path": torch_fp8_operands.implementation_for(probe),
+            "failed": sorted(torch_fp8_operands._failed),
+        }
+        path.write_text(json.dumps(result, indent=1, default=str))
+        print(f"# FP8 operands: {result['fp8_operands']}", flush=True)
     return result
 
 
@@ -916,6 +1104,15 @@ def table(directory):
                     f"{_pairs(row['ratios'])} | {more} | {entry['status']} |"
                 )
     text = "\n".join(lines) + "\n"
+    for path in sorted(directory.glob("*.json")):
+        result = json.loads(path.read_text())
+        if "fp8_operands" in result:
+            operands = result["fp8_operands"]
+            failed = ", ".join(operands["failed"]) or "none"
+            text += (
+                f"\n{result['backend']}: FP8 operands made by the "
+                f"{operands['path']!r} path (failed to build: {failed}).\n"
+            )
     (directory / "table.md").write_text(text)
     return text
 
