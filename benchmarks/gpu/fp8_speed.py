@@ -194,7 +194,9 @@ def describe_device():
         return f"{name} (torch {torch.__version__})"
     import jax
 
-    return f"{jax.devices()[0].device_kind} (jax {jax.__version__})"
+    flags = os.environ.get("XLA_FLAGS", "").strip()
+    flags = f", XLA_FLAGS={flags}" if flags else ""
+    return f"{jax.devices()[0].device_kind} (jax {jax.__version__}{flags})"
 
 
 def paired(functions, clock, smoke):
@@ -650,13 +652,15 @@ def _variant_failed(note, name, error):
     """`note` with the failure of variant `name` added (the traceback goes
     to the log; the other variants still run)."""
     traceback.print_exc()
-    gc.collect()
+    _release()
     failed = f"{name} failed: {type(error).__name__}: {error}"[:300]
     return "; ".join(filter(None, [note, failed]))
 
 
-def _free(model):
-    del model
+def _release():
+    """Frees what the models dropped before it hold (Keras models sit in
+    reference cycles: without a collection the previous variant's weights
+    and optimizer state would still be counted in the next one's memory)."""
     gc.collect()
     if backend() == "torch":
         import torch
@@ -693,13 +697,15 @@ def section_decoder(clock, smoke):
                 getattr(layer.dtype_policy, "fp8", None) is not None
                 for layer in model._flatten_layers(include_self=False)
             )
-            _free(model)
+            model = None
+            _release()
         except OutOfTime:
             note = f"out of time before {name}"
             break
         except Exception as error:
             if smoke:
                 raise
+            model = None
             note = _variant_failed(note, name, error)
     ratios = {
         name: ms["bf16"] / t
@@ -746,13 +752,15 @@ def section_state(clock, smoke):
             resident[name] = resident_gib()
             counted = bytes_per_parameter(model.weights, model.optimizer)
             state_bytes[name] = round(counted["state"], 3)
-            _free(model)
+            model = None
+            _release()
         except OutOfTime:
             note = f"out of time before {name}"
             break
         except Exception as error:
             if smoke:
                 raise
+            model = None
             note = _variant_failed(note, name, error)
     ratios = {
         f"{name}_vs_bfloat16": t / ms["bfloat16"]
@@ -799,7 +807,8 @@ def policies_keras_alone(clock, smoke):
             break
         model = build_decoder(sizes, policy, keras_alone=True)
         ms[f"keras_{policy}"] = time_steps(model, batch, clock, smoke)[0]
-        _free(model)
+        model = None
+        _release()
     return ms
 
 
@@ -818,13 +827,15 @@ def section_policies(clock, smoke, keras_ms):
             ms[name], _, syncs[name] = time_steps(
                 model, batch, clock, smoke, count_syncs=True
             )
-            _free(model)
+            model = None
+            _release()
         except OutOfTime:
             note = f"out of time before {name}"
             break
         except Exception as error:
             if smoke:
                 raise
+            model = None
             note = _variant_failed(note, name, error)
     ratios = {}
     for policy in policies:
@@ -948,7 +959,8 @@ def section_hlo(clock, smoke):
         if not on_gpu()
         else ""
     )
-    _free(model)
+    model = None
+    _release()
     return rows_of(
         "f",
         "HLO audit, FP8 decoder step (1 layer)",

@@ -31,6 +31,14 @@ PYTHON="${PYTHON:-python3}"
 TORCH_BUDGET="${TORCH_BUDGET:-190}"
 JAX_BUDGET="${JAX_BUDGET:-300}"
 SLACK="${SLACK:-30}"
+# Letters of the sections per backend (fp8_speed.py --sections).
+TORCH_SECTIONS="${TORCH_SECTIONS:-abcdefg}"
+JAX_SECTIONS="${JAX_SECTIONS:-abcdefg}"
+# XLA autotunes each GEMM shape over dozens of Triton kernels: on the
+# H100, 10 s per 8192^3 GEMM and minutes for an FP8 decoder step, which
+# used up the JAX budget before its first decoder. cuBLAS(Lt) with its
+# heuristics serves every GEMM instead, bf16 and FP8 alike (as PyTorch's).
+JAX_XLA_FLAGS="${JAX_XLA_FLAGS---xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false}"
 mkdir -p "$OUT"
 START=$SECONDS
 
@@ -74,12 +82,16 @@ echo "install: $((SECONDS - START)) s"
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-for pair in "torch:$TORCH_BUDGET" "jax:$JAX_BUDGET"; do
-  backend="${pair%%:*}"
-  budget="${pair##*:}"
-  echo "== $backend (budget $budget s)"
-  KERAS_BACKEND="$backend" timeout "$((budget + SLACK))" "$PYTHON" \
-    benchmarks/gpu/fp8_speed.py --out "$OUT" --budget "$budget" ${SMOKE:+--smoke} \
+for triple in "torch:$TORCH_BUDGET:$TORCH_SECTIONS" \
+  "jax:$JAX_BUDGET:$JAX_SECTIONS"; do
+  IFS=: read -r backend budget sections <<<"$triple"
+  [ -n "$sections" ] || continue
+  echo "== $backend (budget $budget s, sections $sections)"
+  flags="${XLA_FLAGS:-}"
+  [ "$backend" = jax ] && flags="$flags $JAX_XLA_FLAGS"
+  KERAS_BACKEND="$backend" XLA_FLAGS="$flags" \
+    timeout "$((budget + SLACK))" "$PYTHON" benchmarks/gpu/fp8_speed.py \
+    --out "$OUT" --budget "$budget" --sections "$sections" ${SMOKE:+--smoke} \
     >"$OUT/$backend.log" 2>&1
   echo "$backend exit $? after $((SECONDS - START)) s"
   grep -E '^\[|^# ' "$OUT/$backend.log"

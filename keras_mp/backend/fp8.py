@@ -161,8 +161,24 @@ def _torch_amax(x, axis):
 
     if axis is None:
         axis = tuple(range(x.ndim))
-    result = torch.amax(torch.abs(x), dim=axis, keepdim=True)
+    # The infinity norm is the largest `|x|`, exactly, in one read (where
+    # `amax(abs(x))` writes and reads a tensor of `|x|`); NaN propagates.
+    result = torch.linalg.vector_norm(
+        x, ord=float("inf"), dim=axis, keepdim=True
+    )
     return torch.where(torch.isnan(result), float("inf"), result)
+
+
+def one_hot(index, depth):
+    """`keras.ops.one_hot(index, depth, dtype="float32")` without a host
+    sync: PyTorch's `one_hot` reads its indices' range on the host (two
+    syncs a call, each a stall of the GPU's queue in an eager step). An
+    index outside `[0, depth)` gives zeros, as `one_hot` on JAX and
+    TensorFlow."""
+    ops = keras.ops
+    positions = ops.arange(depth, dtype="int32")
+    index = ops.expand_dims(ops.cast(index, "int32"), -1)
+    return ops.cast(ops.equal(positions, index), "float32")
 
 
 def read_tensor(x):

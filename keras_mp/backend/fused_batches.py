@@ -33,9 +33,10 @@ class Layout:
     buffers: a variable larger than a batch is cut into segments, and
     consecutive small variables share one batch."""
 
-    def __init__(self, sizes, batch_elements):
+    def __init__(self, sizes, batch_elements, device=None):
         import torch
 
+        self.device = device
         self.variables = len(sizes)
         self.batches = []
         segment_variables, segment_shifts = [], []
@@ -61,9 +62,11 @@ class Layout:
             default=0,
         )
         self.segment_variables = torch.tensor(
-            segment_variables, dtype=torch.int64
+            segment_variables, dtype=torch.int64, device=device
         )
-        self.segment_shifts = torch.tensor(segment_shifts, dtype=torch.int32)
+        self.segment_shifts = torch.tensor(
+            segment_shifts, dtype=torch.int32, device=device
+        )
         self._increments = {}
         first = 0
         batches = []
@@ -81,7 +84,9 @@ class Layout:
 
         increment = self._increments.get(draws)
         if increment is None:
-            increment = torch.tensor([0, draws], dtype=torch.int32)
+            increment = torch.tensor(
+                [0, draws], dtype=torch.int32, device=self.device
+            )
             self._increments[draws] = increment
         return increment
 

@@ -22,6 +22,11 @@ FUSED_TORCH_UPDATES = True
 # that no block straddles two chunks. Seven scratch buffers of this size
 # (7 MiB in all).
 _CHUNK_ELEMENTS = 1 << 18
+# On an accelerator a chunk costs its ~40 kernel launches whatever its
+# size: chunks of 4M elements (seven buffers, 112 MiB) take most variables
+# whole. On an H100, 256K-element chunks made a float8-state Adam step of
+# a 25M-parameter decoder 541 ms, against 40 ms for float32 state.
+_ACCELERATOR_CHUNK_ELEMENTS = 1 << 22
 _BLOCK_SIZE = 128
 
 
@@ -107,9 +112,14 @@ class FusedFloat8Update:
             # index plus this.
             key = _random_bits.hash32(seed[0] * -1640531527 + seed[1])
         size = weight.numel()
-        self._ensure_buffers(min(size, _CHUNK_ELEMENTS), weight.device)
-        for start in range(0, size, _CHUNK_ELEMENTS):
-            stop = min(start + _CHUNK_ELEMENTS, size)
+        chunk = (
+            _CHUNK_ELEMENTS
+            if weight.device.type == "cpu"
+            else _ACCELERATOR_CHUNK_ELEMENTS
+        )
+        self._ensure_buffers(min(size, chunk), weight.device)
+        for start in range(0, size, chunk):
+            stop = min(start + chunk, size)
             blocks = slice(start // _BLOCK_SIZE, -(-stop // _BLOCK_SIZE))
             n = stop - start
             m, t, r, i0, i1, i2, i3 = [b[:n] for b in self._buffers]

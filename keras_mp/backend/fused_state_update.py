@@ -25,6 +25,19 @@ FUSED_TORCH_UPDATES = True
 # eager PyTorch (a few microseconds) is paid ~60 times a batch, not ~60
 # times a variable.
 _BATCH_ELEMENTS = 1 << 18
+# On an accelerator each eager call costs a kernel launch (microseconds)
+# whatever its size, and caches do not decide: batches of 4M elements
+# (5 buffers of 16 MiB) take most variables whole.
+_ACCELERATOR_BATCH_ELEMENTS = 1 << 22
+
+
+def batch_elements(device):
+    """Elements per batch of the fused update on a torch `device`."""
+    return (
+        _BATCH_ELEMENTS
+        if device.type == "cpu"
+        else (_ACCELERATOR_BATCH_ELEMENTS)
+    )
 
 
 class FusedStateUpdate:
@@ -89,7 +102,8 @@ class FusedStateUpdate:
         self._stochastic_rounding = stochastic_rounding
         self._seed_generator = seed_generator
         self._update_step = update_step
-        self._buffers = None
+        # Per device: scratch buffers, and layouts keyed by the sizes.
+        self._buffers = {}
         self._layouts = {}
 
     def __call__(self, grads, variables, learning_rate):
@@ -113,8 +127,13 @@ class FusedStateUpdate:
                 if any(slot is None for slot in variable_slots):
                     return False
                 slots.append([slot.value for slot in variable_slots])
+        device = tensors[0].device if tensors else None
         for tensor, variable_slots in zip(tensors, slots):
-            if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+            if (
+                tensor.dtype != torch.float32
+                or not tensor.is_contiguous()
+                or tensor.device != device
+            ):
                 return False
             for slot in variable_slots:
                 if (
@@ -125,11 +144,15 @@ class FusedStateUpdate:
                     return False
         flat_grads = []
         for grad, tensor in zip(grads, tensors):
-            if not isinstance(grad, torch.Tensor) or grad.shape != tensor.shape:
+            if (
+                not isinstance(grad, torch.Tensor)
+                or grad.shape != tensor.shape
+                or grad.device != device
+            ):
                 return False
             # `update_step` casts the gradient to the variable's dtype.
             flat_grads.append(grad.to(torch.float32).reshape(-1))
-        layout = self._layout([tensor.numel() for tensor in tensors])
+        layout = self._layout([tensor.numel() for tensor in tensors], device)
         run = {
             "adam": self._adam,
             "sgd": self._sgd,
@@ -155,29 +178,35 @@ class FusedStateUpdate:
         return True
 
     # ------------------------------------------------------------ layout
-    def _layout(self, sizes):
-        layout = self._layouts.get(tuple(sizes))
+    def _layout(self, sizes, device):
+        key = (tuple(sizes), device)
+        layout = self._layouts.get(key)
         if layout is None:
-            layout = fused_batches.Layout(sizes, _BATCH_ELEMENTS)
-            self._ensure_buffers(layout.largest_batch)
-            layout.bind(self._buffers)
-            self._layouts[tuple(sizes)] = layout
+            layout = fused_batches.Layout(sizes, batch_elements(device), device)
+            self._ensure_buffers(layout.largest_batch, device)
+            layout.bind(self._buffers[device])
+            self._layouts[key] = layout
         return layout
 
-    def _ensure_buffers(self, size):
+    def _ensure_buffers(self, size, device):
         import torch
 
-        if self._buffers is not None and self._buffers["size"] >= size:
+        buffers = self._buffers.get(device)
+        if buffers is not None and buffers["size"] >= size:
             return
-        # Buffers of an earlier, smaller layout are replaced: its views
-        # are rebound.
-        self._buffers = {
+        # Buffers of an earlier, smaller layout are replaced: the views of
+        # the layouts on this device are rebound.
+        self._buffers[device] = buffers = {
             "size": size,
-            "float": [torch.empty(size, dtype=torch.float32) for _ in "xyzw"],
-            "index": torch.arange(size, dtype=torch.int32),
+            "float": [
+                torch.empty(size, dtype=torch.float32, device=device)
+                for _ in "xyzw"
+            ],
+            "index": torch.arange(size, dtype=torch.int32, device=device),
         }
-        for layout in self._layouts.values():
-            layout.bind(self._buffers)
+        for (_, on), layout in self._layouts.items():
+            if on == device:
+                layout.bind(buffers)
 
     # -------------------------------------------------- stochastic keys
     def _keys(self, layout, slots_per_variable):
@@ -200,7 +229,7 @@ class FusedStateUpdate:
         state = seed_state.value
         draws = layout.variables * slots_per_variable
         base = state[0] * -1640531527 + state[1]
-        draw = torch.arange(draws, dtype=torch.int32).view(
+        draw = torch.arange(draws, dtype=torch.int32, device=base.device).view(
             layout.variables, slots_per_variable
         )
         keys = _random_bits.hash32(base + draw)

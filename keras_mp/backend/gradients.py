@@ -310,7 +310,7 @@ def unscale_and_check_finite(grads, variables, factor, unscale):
                 tensors[k] = copy
         if device not in found_inf:
             found_inf[device] = torch.zeros(1, device=device)
-        inverse = factor if scaled else torch.ones(())
+        inverse = factor if scaled else torch.ones((), device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(
             tensors,
             found_inf[device],

@@ -41,6 +41,7 @@ import collections
 
 from keras import ops
 
+from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.fp8 import stats as stats_module
 from keras_mp.fp8.codes import scale_from_amax
 
@@ -134,7 +135,7 @@ def carrier_loss_scale(carrier):
 
 def scaling(history, folds, carrier, recipe):
     """The `Scaling` of a call, from the (folded) state and the carrier."""
-    parity = ops.one_hot(ops.mod(folds, 2), 2, dtype="float32")
+    parity = backend_fp8.one_hot(ops.mod(folds, 2), 2)
     return Scaling(
         scales=history_scales(history, recipe),
         first=folds == 0,

@@ -134,9 +134,7 @@ def _histogram(x, amax=None):
     """The one-hot histogram of `x`'s amax (NaN counted as inf)."""
     if amax is None:
         amax = backend_fp8.amax(x, None)
-    return ops.one_hot(
-        ops.reshape(amax_bin(amax), ()), HISTOGRAM_BINS, dtype="float32"
-    )
+    return backend_fp8.one_hot(ops.reshape(amax_bin(amax), ()), HISTOGRAM_BINS)
 
 
 def remove_loss_scale(stats, loss_scale):
