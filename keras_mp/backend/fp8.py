@@ -30,6 +30,7 @@ products were within 2.2e-3 of the sum of |products| (forward, E4M3 x E4M3:
 Imports nothing from keras_mp.
 """
 
+import functools
 import warnings
 
 import keras
@@ -179,6 +180,46 @@ def one_hot(index, depth):
     positions = ops.arange(depth, dtype="int32")
     index = ops.expand_dims(ops.cast(index, "int32"), -1)
     return ops.cast(ops.equal(positions, index), "float32")
+
+
+def custom_gradient(f):
+    """`keras.ops.custom_gradient(f)`, except on PyTorch, where the
+    arguments are not saved for the backward: Keras's PyTorch version
+    saves them all (`ctx.save_for_backward(*args)`), so an FP8 layer kept
+    its bfloat16 input beside the codes its gradient reads, where JAX's
+    and TensorFlow's graphs keep only what the gradient function uses.
+    `f`'s gradient function is called with the output gradient alone, by
+    name (`upstream=`), as Keras's PyTorch version also passes it."""
+    if keras.backend.backend() != "torch":
+        return keras.ops.custom_gradient(f)
+
+    def wrapped(*args):
+        return _torch_function().apply(f, *args)
+
+    return wrapped
+
+
+@functools.cache
+def _torch_function():
+    import torch
+
+    class WithoutSavedInputs(torch.autograd.Function):
+        """`f(*args)` returns `(output, gradient function)`; the gradient
+        function holds what the backward needs (closures)."""
+
+        @staticmethod
+        def forward(ctx, f, *args):
+            output, ctx.gradient = f(*args)
+            return output
+
+        @staticmethod
+        def backward(ctx, upstream):
+            grads = ctx.gradient(upstream=upstream)
+            if not isinstance(grads, tuple):
+                grads = (grads,)
+            return (None, *grads)
+
+    return WithoutSavedInputs
 
 
 def read_tensor(x):

@@ -144,6 +144,7 @@ def dot(x, kernel, recipe=None, output_dtype=None, stats=None, delayed=None):
         kernel = ops.cast(kernel, "float32")
         call = quantizers.Call(recipe, rows, dtypes, scaling, source_x)
         out = quantizer.forward(call, x2, kernel)
+        call.end_forward(keep_input=quantizer.backward_reads_input)
         out = ops.reshape(out, (*x_shape[:-1], n))
 
         def backward(args, upstream):
@@ -154,6 +155,7 @@ def dot(x, kernel, recipe=None, output_dtype=None, stats=None, delayed=None):
             g = ops.reshape(ops.cast(upstream, "float32"), (-1, n))
             dx = quantizer.input_gradient(call, g)
             dw = quantizer.kernel_gradient(call, g)
+            call.end_backward()
             dx = ops.cast(ops.reshape(dx, x_shape), x_dtype)
             return dx, ops.cast(dw, kernel_dtype)
 
@@ -161,7 +163,7 @@ def dot(x, kernel, recipe=None, output_dtype=None, stats=None, delayed=None):
 
     if stats is None:
 
-        @ops.custom_gradient
+        @fp8_backend.custom_gradient
         def fp8_dot(x, kernel):
             out, backward = forward(x, kernel, None)
 
@@ -177,7 +179,7 @@ def dot(x, kernel, recipe=None, output_dtype=None, stats=None, delayed=None):
 
     stats = _check_stats(fp8_backend.read_tensor(stats))
 
-    @ops.custom_gradient
+    @fp8_backend.custom_gradient
     def fp8_dot_with_stats(x, kernel, stats):
         rows = quantizers.Rows()
         out, backward = forward(x, kernel, rows)
@@ -207,7 +209,7 @@ def _delayed_dot(x, kernel, carrier, scaling, forward, recipe):
     )
     packed = delayed_module.pack(scaling)
 
-    @ops.custom_gradient
+    @fp8_backend.custom_gradient
     def fp8_dot_delayed(x, kernel, carrier, packed):
         rows = quantizers.Rows(counts=recipe.stats)
         scaling = delayed_module.unpack(packed)

@@ -48,6 +48,7 @@ FIELDS = (
     "high_precision",
     "stochastic_rounding",
     "hadamard",
+    "save_activations",
 )
 
 # Names other FP8 libraries give these fields (Transformer Engine's
@@ -225,6 +226,35 @@ def _check_high_precision(role, scaling, granularity, formats, stats):
     return role
 
 
+# What a GEMM keeps of its input for the kernel gradient
+# (`save_activations`).
+SAVE_ACTIVATIONS = ("input", "fp8")
+
+
+def _check_save_activations(value, formats, high_precision):
+    check_choice("save_activations", value, SAVE_ACTIVATIONS)
+    if value != "fp8":
+        return value
+    if formats in NV_FORMATS:
+        raise ValueError(
+            "save_activations='fp8' keeps the forward's codes of the input "
+            "and quantizes them again along the tokens for the kernel "
+            "gradient; NVFP4's forward codes are 4-bit E2M1 values, and "
+            "its kernel gradient rotates the input before quantizing it. "
+            f"Received: save_activations={value!r}, formats={formats!r}. "
+            "Leave save_activations='input' with NVFP4."
+        )
+    if high_precision == "forward":
+        raise ValueError(
+            "save_activations='fp8' keeps the forward GEMM's codes of the "
+            "input, and high_precision='forward' runs that GEMM without "
+            f"codes. Received: save_activations={value!r}, high_precision="
+            f"{high_precision!r}. Use high_precision='backward', or "
+            "save_activations='input'."
+        )
+    return value
+
+
 @keras.saving.register_keras_serializable(package="keras_mp")
 class Recipe:
     """How the GEMMs of a layer run in FP8.
@@ -323,6 +353,19 @@ class Recipe:
             forward GEMM; not for `"tensorwise"` and `"block"`, whose
             gradients reuse the forward codes). Current scaling, no
             statistics. Defaults to `None`: every GEMM in FP8.
+        save_activations: What a GEMM keeps of its input for the kernel
+            gradient. `"input"`: the input itself where the kernel
+            gradient quantizes it again along the tokens (rowwise, block,
+            MXFP8, NVFP4; tensorwise recipes always keep the forward's
+            codes, which its kernel gradient multiplies, at half the bytes
+            of a bfloat16 input). `"fp8"`: the forward's codes and scales
+            (about half the bytes of a bfloat16 input), dequantized and
+            quantized again along the tokens in the backward, as
+            DeepSeek-V3 caches its activations: each value the kernel
+            gradient multiplies then carries the error of both
+            quantizations (at most the forward's rounding error plus half
+            a step of the backward's grid). Not for NVFP4, nor with
+            `high_precision="forward"`. Defaults to `"input"`.
 
     Example:
 
@@ -346,6 +389,7 @@ class Recipe:
         stochastic_rounding=None,
         hadamard=None,
         high_precision=None,
+        save_activations="input",
         **kwargs,
     ):
         if kwargs:
@@ -391,6 +435,9 @@ class Recipe:
         self._high_precision = _check_high_precision(
             high_precision, scaling, granularity, formats, stats
         )
+        self._save_activations = _check_save_activations(
+            save_activations, formats, self._high_precision
+        )
         if (
             scaling != "current"
             and granularity != "tensorwise"
@@ -418,6 +465,7 @@ class Recipe:
     scale_rounding = property(lambda self: self._scale_rounding)
     stochastic_rounding = property(lambda self: self._stochastic_rounding)
     hadamard = property(lambda self: self._hadamard)
+    save_activations = property(lambda self: self._save_activations)
 
     @property
     def forward_format(self):
@@ -454,6 +502,9 @@ class Recipe:
             config["hadamard"] = self._hadamard
         if self._high_precision is not None:
             config["high_precision"] = self._high_precision
+        # Written only where it is not the default, as the fields above.
+        if self._save_activations != "input":
+            config["save_activations"] = self._save_activations
         return config
 
     @classmethod

@@ -74,11 +74,26 @@ class Call:
         self.scaling = scaling
         self.saved = {}
         self.source_x = source_x
+        self.save_codes = recipe.save_activations == "fp8"
+        # K, kept apart from the input, which may go after the forward.
+        self.input_columns = None if source_x is None else source_x.shape[1]
+        self._input_codes = None
 
     def input(self):
         """The layer's input `[M, K]` in float32, for a gradient's GEMM
-        (cast from `source_x`: exact)."""
+        (cast from `source_x`: exact); with `save_activations="fp8"`, the
+        values of the forward's codes (`keep_input_codes`)."""
+        if self._input_codes is not None:
+            return self._input_codes()
         return ops.cast(self.source_x, "float32")
+
+    def keep_input_codes(self, values):
+        """With `save_activations="fp8"`: `values()` (a function of the
+        forward's codes and scales, which it holds) is what `input()`
+        gives the gradients from now on, and the input itself goes after
+        the forward. Without it, nothing."""
+        if self.save_codes:
+            self._input_codes = values
 
     def observe(self, name, x, scale, fmt):
         """Records the statistics row of one quantization, when `rows`
@@ -104,6 +119,26 @@ class Call:
         if key not in self.saved:
             self.saved[key] = compute()
         return self.saved[key]
+
+    def end_forward(self, keep_input=True):
+        """Marks what `saved` holds now as the forward's: what the
+        gradients add later goes with `end_backward`. Without
+        `keep_input`, lets the layer's input go (`input()` no longer
+        serves)."""
+        self._forward_keys = frozenset(self.saved)
+        if not keep_input or self._input_codes is not None:
+            self.source_x = None
+
+    def end_backward(self):
+        """Drops what the gradients added to `saved` (the output
+        gradient's codes, shared by the two gradient GEMMs). PyTorch keeps
+        a custom gradient's closure, and so this call, until the whole
+        graph is freed after the step's backward: without this, every
+        layer's gradient codes would stay in memory until the backward
+        ends (on an H100, most of the 9.4 GiB an FP8 decoder step took
+        beyond bfloat16's). A second backward computes them again."""
+        for key in set(self.saved) - getattr(self, "_forward_keys", set()):
+            del self.saved[key]
 
 
 def operand(x, fmt, axes, margin, scale=None, layouts=ROW):
@@ -163,6 +198,10 @@ class Quantizer(abc.ABC):
     # rather than reuse the forward's codes: then the forward may run in
     # high precision (`high_precision.py`).
     quantizes_from_source = False
+    # Whether the gradients read the layer's input (`call.input()`): where
+    # they do not, `dot` lets it go after the forward (the backward keeps
+    # only what the gradients use, as JAX's and TensorFlow's graphs do).
+    backward_reads_input = True
 
     @abc.abstractmethod
     def quantize(self, x, fmt, axis, margin, scale, block_shape):

@@ -123,6 +123,9 @@ class Block(Quantizer):
         tiled_x = ops.reshape(x, (-1, tiles_k, BLOCK_SIZE))
         tiles = (tiles_k, BLOCK_SIZE, tiles_n, BLOCK_SIZE)
         (cx,), sx = operand(tiled_x, fmt, 2, margin)  # (M, tiles_k, 1)
+        call.keep_input_codes(
+            lambda: ops.reshape(ops.cast(cx, "float32") * sx, (-1, k))
+        )
         # sw: (tiles_k, 1, tiles_n, 1)
         (cw,), sw = kernel_operand(w, fmt, (1, 3), margin, ROW, tiles)
         call.observe("input", tiled_x, sx, fmt)
@@ -134,7 +137,7 @@ class Block(Quantizer):
 
     def input_gradient(self, call, g):
         fmt, cw, sw = call.backward_format, call.saved["cw"], call.saved["sw"]
-        k = call.source_x.shape[1]
+        k = call.input_columns
         n = g.shape[1]
         tiled_g = ops.reshape(g, (-1, n // BLOCK_SIZE, BLOCK_SIZE))
         (cg,), sg = operand(tiled_g, fmt, 2, call.margin)  # (M, n/128, 1)

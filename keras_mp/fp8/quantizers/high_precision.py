@@ -25,6 +25,11 @@ class HighPrecision(Quantizer):
         self.role = role
         self.name = inner.name
 
+    @property
+    def backward_reads_input(self):
+        # A high-precision kernel gradient multiplies the input itself.
+        return self.role == "backward" or self.inner.backward_reads_input
+
     def quantize(self, x, fmt, axis, margin, scale, block_shape):
         return self.inner.quantize(x, fmt, axis, margin, scale, block_shape)
 

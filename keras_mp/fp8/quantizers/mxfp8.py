@@ -52,12 +52,15 @@ class Mxfp8(Quantizer):
                 "this GEMM."
             )
 
-    def _values(self, call, name, t, axis, fmt="e4m3"):
+    def _values(self, call, name, t, axis, fmt="e4m3", keep=None):
         """`t` quantized in blocks along `axis` and dequantized: the
         values the GEMM multiplies; the quantization's statistics go to
-        `name`'s row where asked."""
+        `name`'s row where asked. `keep(values)` is given a function of
+        the codes and scales that gives the values again."""
         codes, scale = mxfp8.quantize(t, axis, self.scale_rounding, fmt)
         values = mxfp8.dequantize(codes, scale, axis)
+        if keep is not None:
+            keep(lambda: mxfp8.dequantize(codes, scale, axis))
         if call.rows is not None and name not in call.rows:
             shape = list(ops.shape(t))
             shape[axis : axis + 1] = [-1, mxfp8.BLOCK]
@@ -77,7 +80,7 @@ class Mxfp8(Quantizer):
 
     def forward(self, call, x, w):
         call.saved.update(w=w)
-        vx = self._values(call, "input", x, 1)
+        vx = self._values(call, "input", x, 1, keep=call.keep_input_codes)
         vw = self._kernel_values(call, w, 0)
         return fp8_backend.einsum_float32("mk,kn->mn", vx, vw, call.dtypes.out)
 

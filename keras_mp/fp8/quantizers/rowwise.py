@@ -30,6 +30,7 @@ class Rowwise(Quantizer):
     def forward(self, call, x, w):
         fmt, margin = call.forward_format, call.margin
         (cx,), sx = operand(x, fmt, 1, margin)  # (M, 1)
+        call.keep_input_codes(lambda: self.dequantize(cx, sx, 1, None))
         (cw,), sw = kernel_operand(w, fmt, 0, margin, COLUMN)  # (1, N)
         call.observe("input", x, sx, fmt)
         call.observe("kernel", w, sw, fmt)

@@ -65,6 +65,8 @@ def _current_scale(t, fmt, margin):
 
 class Tensorwise(Quantizer):
     name = "tensorwise"
+    # The kernel gradient multiplies the forward's codes of the input.
+    backward_reads_input = False
 
     def quantize(self, x, fmt, axis, margin, scale, block_shape):
         codes, scale = quantize_reduced(x, fmt, None, margin, scale)
