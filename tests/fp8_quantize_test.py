@@ -269,3 +269,19 @@ def test_bad_arguments_raise_naming_the_choices_and_the_fix(
 def test_a_non_float_input_raises_a_type_error():
     with pytest.raises(TypeError, match="floating point"):
         fp8.quantize(np.ones((4, 4), "int32"))
+
+
+def test_scale_from_amax_takes_one_format_per_value():
+    # Several tensors' scales in one computation (delayed scaling's
+    # history, PyTorch's current scales): each that of its own format.
+    from keras_mp.fp8.codes import scale_from_amax
+
+    amax = np.array([0.0, 3.0e-3, 448.0, 449.0, 6.0e4, np.inf], "float32")
+    formats = ("e4m3", "e5m2", "e4m3", "e5m2", "e4m3", "e5m2")
+    for margin in (0, 2):
+        together = to_numpy(scale_from_amax(amax, formats, margin))
+        apart = [
+            to_numpy(scale_from_amax(amax[i], fmt, margin))
+            for i, fmt in enumerate(formats)
+        ]
+        np.testing.assert_array_equal(together, np.array(apart, "float32"))

@@ -72,15 +72,26 @@ def scale_from_amax(amax, fmt="e4m3", margin=0):
 
     Args:
         amax: A float32 tensor of non-negative values.
-        fmt: `"e4m3"` or `"e5m2"`. Defaults to `"e4m3"`.
+        fmt: `"e4m3"` or `"e5m2"`, or a tuple of them, one per value of
+            `amax`'s last axis (several tensors' scales in one computation:
+            a dozen small ops, where one call a tensor costs a dozen
+            kernel launches each in an eager step). Defaults to `"e4m3"`.
         margin: Headroom in powers of two. Defaults to `0`.
 
     Returns:
         A float32 tensor of the shape of `amax`.
     """
-    check_format(fmt)
+    if isinstance(fmt, (tuple, list)):
+        # One format per value of the last axis: each threshold a vector.
+        for each in fmt:
+            check_format(each)
+        thresholds = [_threshold(each, margin) for each in fmt]
+        exponent = ops.convert_to_tensor([e for e, _ in thresholds], "int32")
+        mantissa = ops.convert_to_tensor([m for _, m in thresholds], "int32")
+    else:
+        check_format(fmt)
+        exponent, mantissa = _threshold(fmt, margin)
     amax = ops.cast(amax, "float32")
-    exponent, mantissa = _threshold(fmt, margin)
     bits = ops.view(amax, "int32")
     biased = ops.right_shift(bits, 23)
     above = ops.cast(ops.bitwise_and(bits, 0x7FFFFF) > mantissa, "int32")

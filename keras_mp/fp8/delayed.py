@@ -118,12 +118,7 @@ def history_scales(history, recipe):
     else:
         amax = history[:, 0]
     formats = (recipe.forward_format,) * 2 + (recipe.backward_format,)
-    return ops.stack(
-        [
-            scale_from_amax(amax[i], fmt, recipe.margin)
-            for i, fmt in enumerate(formats)
-        ]
-    )
+    return scale_from_amax(amax, formats, recipe.margin)
 
 
 def carrier_loss_scale(carrier):

@@ -8,6 +8,7 @@ delayed scales (`keras_mp/fp8/delayed.py`).
 """
 
 import functools
+import operator
 
 from keras import ops
 
@@ -40,9 +41,16 @@ def _delayed_scales(call, tensors, fmt):
         call.rows.amaxes[index] = amax
         amaxes.append(amax)
     if fp8_backend.branches_on_host():
+        # Every tensor's current scale in one computation: each op of an
+        # eager step is a kernel launch on a GPU.
+        scales = scale_from_amax(
+            ops.stack([ops.reshape(amax, ()) for amax in amaxes]),
+            fmt,
+            call.margin,
+        )
         currents = [
-            functools.partial(scale_from_amax, amax, fmt, call.margin)
-            for amax in amaxes
+            functools.partial(operator.getitem, scales, index)
+            for index in range(len(amaxes))
         ]
     else:
         currents = [
