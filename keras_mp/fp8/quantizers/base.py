@@ -78,6 +78,7 @@ class Call:
         # K, kept apart from the input, which may go after the forward.
         self.input_columns = None if source_x is None else source_x.shape[1]
         self._input_codes = None
+        self._forward_keys = frozenset()
 
     def input(self):
         """The layer's input `[M, K]` in float32, for a gradient's GEMM
@@ -135,9 +136,9 @@ class Call:
         a custom gradient's closure, and so this call, until the whole
         graph is freed after the step's backward: without this, every
         layer's gradient codes would stay in memory until the backward
-        ends (on an H100, most of the 9.4 GiB an FP8 decoder step took
-        beyond bfloat16's). A second backward computes them again."""
-        for key in set(self.saved) - getattr(self, "_forward_keys", set()):
+        ends (an H100's FP8 decoder step peaked 9.4 GiB above bfloat16's
+        before this). A second backward computes them again."""
+        for key in set(self.saved) - self._forward_keys:
             del self.saved[key]
 
 
