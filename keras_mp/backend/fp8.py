@@ -162,11 +162,19 @@ def _torch_amax(x, axis):
 
     if axis is None:
         axis = tuple(range(x.ndim))
-    # The infinity norm is the largest `|x|`, exactly, in one read (where
-    # `amax(abs(x))` writes and reads a tensor of `|x|`); NaN propagates.
-    result = torch.linalg.vector_norm(
-        x, ord=float("inf"), dim=axis, keepdim=True
-    )
+    if x.device.type == "cpu":
+        # The CPU's infinity norm is 20x slower than this (0.67 against
+        # 0.034 ms for 2048x128 float32, one thread).
+        result = torch.amax(torch.abs(x), dim=axis, keepdim=True)
+    else:
+        # The infinity norm is the largest `|x|`, exactly, in one read
+        # (where `amax(abs(x))` writes and reads a tensor of `|x|`); NaN
+        # propagates. On an H100 `fp8.dot`'s forward and backward went
+        # from 0.87x to 1.01x bfloat16's with it (and the other changes
+        # between the two runs of `benchmarks/gpu/run.sh`).
+        result = torch.linalg.vector_norm(
+            x, ord=float("inf"), dim=axis, keepdim=True
+        )
     return torch.where(torch.isnan(result), float("inf"), result)
 
 
