@@ -17,7 +17,10 @@ script cannot rot between GPU runs. Sections:
 - (d) `decoder`: a pre-LN GPT decoder training step (d=4096, 4 layers,
   32 heads, sequence 2048, batch 8: 16k tokens; vocabulary 8192; inputs
   on the device) under mixed_bfloat16, and FP8 current tensorwise,
-  delayed tensorwise and current rowwise, with peak memory.
+  delayed tensorwise and current rowwise, with peak memory and, on
+  torch, host syncs per step (`count_host_syncs`, and on CUDA the
+  synchronizing calls PyTorch's sync debug mode reports: a blocking copy
+  from the host too).
 - (e) `policies`: the same decoder at d=1024 (2 layers) in float32,
   mixed_bfloat16 and mixed_float16, with Keras alone (timed before
   keras_mp is imported) and with keras_mp; mixed_bfloat16 with
@@ -645,7 +648,30 @@ def time_steps(model, batch, clock, smoke, count_syncs=False):
         with count_host_syncs() as counts:
             model.train_on_batch(x, y)
         syncs = sum(counts.values())
+        cuda = cuda_syncs(lambda: model.train_on_batch(x, y))
+        if cuda is not None:
+            syncs = f"{syncs} counted, {cuda} CUDA"
     return statistics.median(times) * 1e3, peak_gib(), syncs
+
+
+def cuda_syncs(step):
+    """The synchronizing CUDA calls of `step()` that PyTorch's sync debug
+    mode reports (a blocking copy from the host included, which
+    `count_host_syncs` does not see); None without CUDA."""
+    import warnings
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
 
 
 def _variant_failed(note, name, error):
@@ -683,7 +709,7 @@ def section_decoder(clock, smoke):
     if smoke:
         # The variants differ only in their recipe: two keep the path alive.
         recipes = {n: recipes[n] for n in ("bf16", "fp8_delayed")}
-    ms, peaks, resident, fp8_layers = {}, {}, {}, {}
+    ms, peaks, resident, fp8_layers, syncs = {}, {}, {}, {}, {}
     note = ""
     # One model at a time (four d=4096 models and their Adam state do not
     # fit beside each other's activations): sequential, not ABAB.
@@ -691,7 +717,9 @@ def section_decoder(clock, smoke):
         try:
             clock.check("build")
             model = build_decoder(sizes, "mixed_bfloat16", recipe)
-            ms[name], peaks[name], _ = time_steps(model, batch, clock, smoke)
+            ms[name], peaks[name], syncs[name] = time_steps(
+                model, batch, clock, smoke, count_syncs=True
+            )
             resident[name] = resident_gib()
             fp8_layers[name] = sum(
                 getattr(layer.dtype_policy, "fp8", None) is not None
@@ -726,6 +754,7 @@ def section_decoder(clock, smoke):
             n: (None if v is None else round(v, 2)) for n, v in resident.items()
         },
         fp8_layers=fp8_layers,
+        host_syncs_per_step=syncs if backend() == "torch" else None,
     )
 
 
