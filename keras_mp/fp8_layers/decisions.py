@@ -130,6 +130,8 @@ def describe(layer, policy):
             text += " no stochastic rounding"
         if recipe.hadamard is False:
             text += " no hadamard"
+        if recipe.save_activations != "input":
+            text += f" saves {recipe.save_activations} activations"
         return text + (" +stats" if recipe.stats else "")
     reason = getattr(layer, "_keras_mp_fp8_reason", None)
     if reason is not None:
