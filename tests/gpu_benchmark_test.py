@@ -108,3 +108,29 @@ def test_audit_counts_the_gemms_of_an_optimized_module():
 def test_the_shell_scripts_parse():
     for name in ("run.sh", "wheelhouse.sh"):
         subprocess.run(["bash", "-n", str(GPU / name)], check=True)
+
+
+def test_each_variant_notes_a_failure_and_stops_when_out_of_time():
+    script = _script()
+    built = []
+
+    def build(name):
+        if name == "b":
+            raise RuntimeError("no device")
+        built.append(name)
+        return object()
+
+    note = script.each_variant(
+        ["a", "b", "c"], script.Clock(60), False, build, lambda n, m: None
+    )
+    assert built == ["a", "c"]
+    assert note == "b failed: RuntimeError: no device"
+    note = script.each_variant(
+        ["a"], script.Clock(-1), False, build, lambda n, m: None
+    )
+    assert note == "out of time before a"
+    assert built == ["a", "c"]
+    with pytest.raises(RuntimeError, match="no device"):
+        script.each_variant(
+            ["b"], script.Clock(60), True, build, lambda n, m: None
+        )

@@ -593,20 +593,26 @@ def reset_peak():
             torch.cuda.reset_peak_memory_stats()
 
 
-def resident_gib():
-    """Device memory held now (torch's allocator, JAX's `bytes_in_use`);
-    None where the device says nothing."""
+def _device_gib(torch_reader, jax_key):
+    """GiB from torch's CUDA allocator (`torch_reader`, a function of
+    `torch.cuda`) or JAX's `memory_stats()[jax_key]`; None where the
+    device says nothing."""
     if backend() == "torch":
         import torch
 
         if torch.cuda.is_available():
-            return torch.cuda.memory_allocated() / 2**30
+            return torch_reader(torch.cuda) / 2**30
         return None
     import jax
 
-    stats = jax.devices()[0].memory_stats() or {}
-    held = stats.get("bytes_in_use")
-    return None if held is None else held / 2**30
+    value = (jax.devices()[0].memory_stats() or {}).get(jax_key)
+    return None if value is None else value / 2**30
+
+
+def resident_gib():
+    """Device memory held now (torch's allocator, JAX's `bytes_in_use`);
+    None where the device says nothing."""
+    return _device_gib(lambda cuda: cuda.memory_allocated(), "bytes_in_use")
 
 
 def peak_gib():
@@ -614,17 +620,19 @@ def peak_gib():
     started (JAX's `peak_bytes_in_use`: a later model shows the larger of
     its own peak and the earlier ones'); None where the device says
     nothing."""
-    if backend() == "torch":
-        import torch
+    return _device_gib(
+        lambda cuda: cuda.max_memory_allocated(), "peak_bytes_in_use"
+    )
 
-        if torch.cuda.is_available():
-            return torch.cuda.max_memory_allocated() / 2**30
-        return None
-    import jax
 
-    stats = jax.devices()[0].memory_stats() or {}
-    peak = stats.get("peak_bytes_in_use")
-    return None if peak is None else peak / 2**30
+def _rounded(values):
+    """`values` ({name: GiB or None}) to two decimals."""
+    return {n: (None if v is None else round(v, 2)) for n, v in values.items()}
+
+
+def _joined(*notes):
+    """The non-empty notes, joined."""
+    return "; ".join(filter(None, notes))
 
 
 def time_steps(model, batch, clock, smoke, count_syncs=False):
@@ -674,13 +682,33 @@ def cuda_syncs(step):
     return sum("synchroniz" in str(w.message).lower() for w in caught)
 
 
-def _variant_failed(note, name, error):
-    """`note` with the failure of variant `name` added (the traceback goes
-    to the log; the other variants still run)."""
-    traceback.print_exc()
-    _release()
-    failed = f"{name} failed: {type(error).__name__}: {error}"[:300]
-    return "; ".join(filter(None, [note, failed]))
+def each_variant(names, clock, smoke, build, measure):
+    """For each of `names`: `model = build(name)`, then `measure(name,
+    model)`, the model freed before the next is built (one at a time: the
+    d=4096 models and their Adam state do not fit beside each other's
+    activations). Stops before the first variant the section has no time
+    left for; a variant that raises is noted, its traceback logged, and
+    the others still run (`--smoke` re-raises). Returns the note."""
+    note = ""
+    for name in names:
+        model = None
+        try:
+            clock.check("build")
+            model = build(name)
+            measure(name, model)
+        except OutOfTime:
+            note = _joined(note, f"out of time before {name}")
+            break
+        except Exception as error:
+            if smoke:
+                raise
+            traceback.print_exc()
+            failed = f"{name} failed: {type(error).__name__}: {error}"
+            note = _joined(note, failed[:300])
+        finally:
+            model = None
+            _release()
+    return note
 
 
 def _release():
@@ -710,31 +738,24 @@ def section_decoder(clock, smoke):
         # The variants differ only in their recipe: two keep the path alive.
         recipes = {n: recipes[n] for n in ("bf16", "fp8_delayed")}
     ms, peaks, resident, fp8_layers, syncs = {}, {}, {}, {}, {}
-    note = ""
-    # One model at a time (four d=4096 models and their Adam state do not
-    # fit beside each other's activations): sequential, not ABAB.
-    for name, recipe in recipes.items():
-        try:
-            clock.check("build")
-            model = build_decoder(sizes, "mixed_bfloat16", recipe)
-            ms[name], peaks[name], syncs[name] = time_steps(
-                model, batch, clock, smoke, count_syncs=True
-            )
-            resident[name] = resident_gib()
-            fp8_layers[name] = sum(
-                getattr(layer.dtype_policy, "fp8", None) is not None
-                for layer in model._flatten_layers(include_self=False)
-            )
-            model = None
-            _release()
-        except OutOfTime:
-            note = f"out of time before {name}"
-            break
-        except Exception as error:
-            if smoke:
-                raise
-            model = None
-            note = _variant_failed(note, name, error)
+
+    def measure(name, model):
+        ms[name], peaks[name], syncs[name] = time_steps(
+            model, batch, clock, smoke, count_syncs=True
+        )
+        resident[name] = resident_gib()
+        fp8_layers[name] = sum(
+            getattr(layer.dtype_policy, "fp8", None) is not None
+            for layer in model._flatten_layers(include_self=False)
+        )
+
+    note = each_variant(
+        recipes,
+        clock,
+        smoke,
+        lambda name: build_decoder(sizes, "mixed_bfloat16", recipes[name]),
+        measure,
+    )
     ratios = {
         name: ms["bf16"] / t
         for name, t in ms.items()
@@ -747,12 +768,8 @@ def section_decoder(clock, smoke):
         ms,
         ratios,
         note,
-        peak_gib={
-            n: (None if v is None else round(v, 2)) for n, v in peaks.items()
-        },
-        resident_gib={
-            n: (None if v is None else round(v, 2)) for n, v in resident.items()
-        },
+        peak_gib=_rounded(peaks),
+        resident_gib=_rounded(resident),
         fp8_layers=fp8_layers,
         host_syncs_per_step=syncs if backend() == "torch" else None,
     )
@@ -768,43 +785,31 @@ def section_state(clock, smoke):
     sizes = SIZES["policies"][smoke]
     batch = device_batch(sizes)
     ms, state_bytes, resident, peaks = {}, {}, {}, {}
-    note = ""
-    for name in ("float32", "bfloat16", "float8"):
-        try:
-            clock.check("build")
-            model = build_decoder(
-                sizes,
-                "mixed_bfloat16",
-                state_dtype=None if name == "float32" else name,
-            )
-            ms[name], peaks[name], _ = time_steps(model, batch, clock, smoke)
-            resident[name] = resident_gib()
-            counted = bytes_per_parameter(model.weights, model.optimizer)
-            state_bytes[name] = round(counted["state"], 3)
-            model = None
-            _release()
-        except OutOfTime:
-            note = f"out of time before {name}"
-            break
-        except Exception as error:
-            if smoke:
-                raise
-            model = None
-            note = _variant_failed(note, name, error)
+
+    def measure(name, model):
+        ms[name], peaks[name], _ = time_steps(model, batch, clock, smoke)
+        resident[name] = resident_gib()
+        counted = bytes_per_parameter(model.weights, model.optimizer)
+        state_bytes[name] = round(counted["state"], 3)
+
+    note = each_variant(
+        ("float32", "bfloat16", "float8"),
+        clock,
+        smoke,
+        lambda name: build_decoder(
+            sizes,
+            "mixed_bfloat16",
+            state_dtype=None if name == "float32" else name,
+        ),
+        measure,
+    )
     ratios = {
         f"{name}_vs_bfloat16": t / ms["bfloat16"]
         for name, t in ms.items()
         if name != "bfloat16" and "bfloat16" in ms
     }
     d, _, layers, seq, b, _ = sizes
-    note = "; ".join(
-        filter(None, [note, "ratios: step time over bfloat16 state's"])
-    )
-
-    def rounded(values):
-        return {
-            n: (None if v is None else round(v, 2)) for n, v in values.items()
-        }
+    note = _joined(note, "ratios: step time over bfloat16 state's")
 
     return rows_of(
         "g",
@@ -813,8 +818,8 @@ def section_state(clock, smoke):
         ratios,
         note,
         state_bytes_per_param=state_bytes,
-        resident_gib=rounded(resident),
-        peak_gib=rounded(peaks),
+        resident_gib=_rounded(resident),
+        peak_gib=_rounded(peaks),
     )
 
 
@@ -848,24 +853,22 @@ def section_policies(clock, smoke, keras_ms):
     policies = POLICIES[:1] if smoke else POLICIES
     variants = [(p, p, False) for p in policies]
     variants.insert(1, ("mixed_bfloat16_lso", "mixed_bfloat16", True))
-    note = ""
-    for name, policy, lso in variants:
-        try:
-            clock.check("build")
-            model = build_decoder(sizes, policy, loss_scale_optimizer=lso)
-            ms[name], _, syncs[name] = time_steps(
-                model, batch, clock, smoke, count_syncs=True
-            )
-            model = None
-            _release()
-        except OutOfTime:
-            note = f"out of time before {name}"
-            break
-        except Exception as error:
-            if smoke:
-                raise
-            model = None
-            note = _variant_failed(note, name, error)
+    variants = {name: (policy, lso) for name, policy, lso in variants}
+
+    def measure(name, model):
+        ms[name], _, syncs[name] = time_steps(
+            model, batch, clock, smoke, count_syncs=True
+        )
+
+    note = each_variant(
+        variants,
+        clock,
+        smoke,
+        lambda name: build_decoder(
+            sizes, variants[name][0], loss_scale_optimizer=variants[name][1]
+        ),
+        measure,
+    )
     ratios = {}
     for policy in policies:
         if f"keras_{policy}" in keras_ms and policy in ms:
@@ -876,15 +879,9 @@ def section_policies(clock, smoke, keras_ms):
     if "mixed_bfloat16_lso" in ms and "mixed_bfloat16" in ms:
         ratios["lso_vs_plain"] = ms["mixed_bfloat16_lso"] / ms["mixed_bfloat16"]
     d, _, layers, seq, b, _ = sizes
-    note = "; ".join(
-        filter(
-            None,
-            [
-                note,
-                "keras_mp / Keras alone: above 1 is slower; Keras alone "
-                "ran first",
-            ],
-        )
+    note = _joined(
+        note,
+        "keras_mp / Keras alone: above 1 is slower; Keras alone ran first",
     )
     return rows_of(
         "e",
