@@ -7,14 +7,13 @@ the backend's float32 GEMM of what that role multiplies."""
 
 import functools
 
-import keras
 import numpy as np
 import pytest
 
-import keras_mp
 from keras_mp import fp8
 from keras_mp.testing import backend_einsum
 from keras_mp.testing import block_spread_operands
+from keras_mp.testing import fp8_mlp_fit_and_reload
 from keras_mp.testing import fp8_reference as reference
 from keras_mp.testing import gemm_and_gradients
 from keras_mp.testing import to_numpy
@@ -94,32 +93,10 @@ def test_bad_combinations_raise_naming_the_fix():
 
 def test_a_model_trains_and_reloads_with_a_high_precision_forward(tmp_path):
     recipe = fp8.Recipe(formats="mxfp8_hybrid", high_precision="backward")
-    keras_mp.set_global_policy("mixed_bfloat16", fp8=recipe)
-    try:
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential(
-            [
-                keras.Input((64,)),
-                keras.layers.Dense(64, activation="relu"),
-                keras.layers.Dense(4),
-            ]
-        )
-        x = np.random.default_rng(0).normal(size=(64, 64)).astype("float32")
-        model.compile(keras.optimizers.Adam(1e-2), loss="mse")
-        history = model.fit(x, x[:, :4], batch_size=16, epochs=3, verbose=0)
-        rows = keras_mp.explain_precision(model, print_fn=None)
-    finally:
-        keras_mp.set_global_policy("float32")
-    columns = [row["fp8"] for row in rows if row["class_name"] == "Dense"]
-    assert columns[0] == (
+    run = fp8_mlp_fit_and_reload(recipe, tmp_path / "model.keras", outputs=4)
+    assert run["fp8"][0] == (
         "current/microblock/mxfp8_hybrid backward in high precision"
     )
-    assert history.history["loss"][-1] < history.history["loss"][0]
-    path = tmp_path / "model.keras"
-    model.save(path)
-    restored = keras.saving.load_model(path)
-    assert restored.layers[0].dtype_policy.fp8 == recipe
-    np.testing.assert_array_equal(
-        to_numpy(restored.predict(x, verbose=0)),
-        to_numpy(model.predict(x, verbose=0)),
-    )
+    assert run["losses"][-1] < run["losses"][0]
+    assert run["restored_recipe"] == recipe
+    np.testing.assert_array_equal(*run["predictions"])

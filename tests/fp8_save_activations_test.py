@@ -16,6 +16,7 @@ import pytest
 
 from keras_mp import fp8
 from keras_mp.testing import block_spread_operands
+from keras_mp.testing import fp8_mlp_fit_and_reload
 from keras_mp.testing import gemm_and_gradients
 from keras_mp.testing import to_numpy
 
@@ -190,33 +191,9 @@ def test_torch_lets_the_input_go(monkeypatch):
 
 
 def test_fit_save_and_reload_keep_the_field(tmp_path):
-    import keras_mp
-
     recipe = fp8.Recipe(granularity="rowwise", save_activations="fp8")
-    keras_mp.set_global_policy("mixed_bfloat16", fp8=recipe)
-    try:
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential(
-            [
-                keras.Input((64,)),
-                keras.layers.Dense(64, activation="relu"),
-                keras.layers.Dense(16),
-            ]
-        )
-        x = np.random.default_rng(0).normal(size=(64, 64)).astype("float32")
-        model.compile(keras.optimizers.Adam(1e-2), loss="mse")
-        history = model.fit(x, x[:, :16], batch_size=16, epochs=3, verbose=0)
-        rows = keras_mp.explain_precision(model, print_fn=None)
-    finally:
-        keras_mp.set_global_policy(None)
-    assert history.history["loss"][-1] < history.history["loss"][0]
-    columns = [row["fp8"] for row in rows if row["class_name"] == "Dense"]
-    assert columns[0] == "current/rowwise/hybrid saves fp8 activations"
-    path = tmp_path / "model.keras"
-    model.save(path)
-    restored = keras.saving.load_model(path)
-    assert restored.layers[0].dtype_policy.fp8 == recipe
-    np.testing.assert_array_equal(
-        to_numpy(restored.predict(x, verbose=0)),
-        to_numpy(model.predict(x, verbose=0)),
-    )
+    run = fp8_mlp_fit_and_reload(recipe, tmp_path / "model.keras", outputs=16)
+    assert run["losses"][-1] < run["losses"][0]
+    assert run["fp8"][0] == "current/rowwise/hybrid saves fp8 activations"
+    assert run["restored_recipe"] == recipe
+    np.testing.assert_array_equal(*run["predictions"])

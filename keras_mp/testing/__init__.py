@@ -27,6 +27,7 @@ __all__ = [
     "count_host_syncs",
     "describe_machine",
     "fp8_code_bits",
+    "fp8_mlp_fit_and_reload",
     "gemm_and_gradients",
     "run_python",
     "run_script",
@@ -115,6 +116,51 @@ def gemm_and_gradients(function, x, kernel, g, jit=True):
     out = function(x, kernel)
     out.backward(ops.convert_to_tensor(g).to(out.dtype))
     return out.detach(), x.grad, kernel.grad
+
+
+def fp8_mlp_fit_and_reload(recipe, path, outputs):
+    """A 64-64-`outputs` MLP trained for 3 epochs under
+    `set_global_policy("mixed_bfloat16", fp8=recipe)`, saved to `path`
+    (`.keras`) and loaded back.
+
+    Returns:
+        A dict: `"losses"` (the epochs' losses), `"fp8"` (the Dense
+        layers' FP8 column of `explain_precision`), `"restored_recipe"`
+        (the loaded first layer's recipe), and `"predictions"` (the
+        trained and the loaded model's, NumPy).
+    """
+    import keras
+
+    import keras_mp
+
+    keras_mp.set_global_policy("mixed_bfloat16", fp8=recipe)
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((64,)),
+                keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(outputs),
+            ]
+        )
+        x = np.random.default_rng(0).normal(size=(64, 64)).astype("float32")
+        model.compile(keras.optimizers.Adam(1e-2), loss="mse")
+        history = model.fit(
+            x, x[:, :outputs], batch_size=16, epochs=3, verbose=0
+        )
+        rows = keras_mp.explain_precision(model, print_fn=None)
+    finally:
+        keras_mp.set_global_policy(None)
+    model.save(path)
+    restored = keras.saving.load_model(path)
+    return {
+        "losses": history.history["loss"],
+        "fp8": [row["fp8"] for row in rows if row["class_name"] == "Dense"],
+        "restored_recipe": restored.layers[0].dtype_policy.fp8,
+        "predictions": [
+            to_numpy(m.predict(x, verbose=0)) for m in (model, restored)
+        ],
+    }
 
 
 def block_spread_operands(m, k, n, seed=0):
