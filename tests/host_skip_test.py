@@ -520,3 +520,35 @@ def test_opt_in_fused_adam_skip_reads_nothing_and_keeps_every_bit():
     for variable, value in zip(state, before):
         assert_bitwise_equal(variable, value, variable.path)
     assert int(to_numpy(optimizer.iterations)) == 3
+
+
+@pytest.mark.parametrize("poison", [None, np.nan], ids=["finite", "nan"])
+def test_the_scales_update_is_queued_before_the_host_read(poison, monkeypatch):
+    """The loss scale's update takes the device flag: it runs before the
+    step's one host read, so on a GPU its kernels are launched while the
+    backward still runs (after the read the device would wait for each
+    launch). The scale still moves as the step's flag says."""
+    from keras_mp import loss_scale
+    from keras_mp.optimizers import host_skip
+
+    order = []
+    read = host_skip._read_on_host
+    update = loss_scale.DynamicLossScale.update
+
+    def reading(flags):
+        order.append("read")
+        return read(flags)
+
+    def updating(self, is_finite):
+        order.append("update")
+        return update(self, is_finite)
+
+    monkeypatch.setattr(host_skip, "_read_on_host", reading)
+    monkeypatch.setattr(loss_scale.DynamicLossScale, "update", updating)
+    optimizer = _optimizer(keras.optimizers.Adam(0.01), False)
+    variables = _variables()
+    _scaled_step(optimizer, _grads(0, poison), variables)
+    assert order == ["update", "read"]
+    expected = 2.0**10 if poison is None else 2.0**9
+    assert float(to_numpy(optimizer.loss_scale())) == expected
+    assert int(to_numpy(optimizer.skipped_steps)) == int(poison is not None)

@@ -74,6 +74,13 @@ class HostSkipMixin:
         if accumulating:
             window_flags = self._accumulation_flags(is_finite)
             flags += [window_flags[2], window_flags[1]]
+        else:
+            # The scale's update takes the flag on the device: queued
+            # before the host read, its kernels are launched while the
+            # device still runs the backward, not after the read, when the
+            # device waits for each launch (on an H200 the step took 1.03x
+            # the plain step's with the update after the read).
+            self._loss_scale.update(is_finite)
         # The one host read of the step: free on CPU tensors, one small
         # copy on an accelerator, as torch.amp's GradScaler makes.
         on_host = _read_on_host(flags)
@@ -93,7 +100,6 @@ class HostSkipMixin:
             )
             return
         self.apply_if(finite, grads_and_vars)
-        self._loss_scale.update(is_finite)
         if not finite:
             self._skipped_steps.assign_add(1)
         self._count_on_host(skipped=not finite)
