@@ -77,6 +77,51 @@ __all__ = [
 NON_STATE_SLOT_NAMES = ("average", "gradient_accumulator")
 
 
+# (value, dtype, device) -> the 0-d (or 1-d) torch tensor `constant` made.
+_TORCH_CONSTANTS = {}
+
+
+def constant(value, dtype):
+    """`value` (a Python number, or a tuple of them) for a `keras.ops`
+    call of a step, without a copy from the host at each call.
+
+    On PyTorch a Python number given to a `keras.ops` function becomes a
+    tensor through `torch.as_tensor(value, device=...)`
+    (`keras.src.backend.torch.core.convert_to_tensor`, keras 3.0 - 3.15):
+    on a GPU a copy from pageable host memory, which waits for every
+    kernel queued before it (PyTorch's sync debug mode reports each one).
+    An H100's eager FP8 decoder step made 147 of them, the GPU idle after
+    each while the host queued the next kernels. Here each (value, dtype,
+    device) is made once, on Keras's torch device, and kept; while
+    `torch.compile` traces, and on TensorFlow and JAX (a compiled step's
+    constant), a number is returned as it is and a tuple as a tensor.
+    """
+    import keras
+
+    if keras.backend.backend() != "torch":
+        return _as_is(value, dtype)
+    import torch
+
+    if torch.compiler.is_compiling():
+        return _as_is(value, dtype)
+    from keras.src.backend.torch.core import get_device
+
+    device = get_device()
+    key = (value, dtype, str(device))
+    tensor = _TORCH_CONSTANTS.get(key)
+    if tensor is None:
+        tensor = ops.convert_to_tensor(value, dtype)
+        _TORCH_CONSTANTS[key] = tensor
+    return tensor
+
+
+def _as_is(value, dtype):
+    """A number as it is; a tuple as a tensor (an operator needs one)."""
+    if isinstance(value, tuple):
+        return ops.convert_to_tensor(value, dtype)
+    return value
+
+
 def torch_parallel_optimizer_class():
     """The base class of Keras's PyTorch optimizers that update in bulk.
 

@@ -17,6 +17,7 @@ import keras
 from keras import ops
 
 from keras_mp import _config
+from keras_mp._keras_internals import constant
 from keras_mp._scaler_import import from_deepspeed as _from_deepspeed
 from keras_mp._scaler_import import from_torch as _from_torch
 
@@ -151,10 +152,12 @@ class FixedLossScale(LossScale):
         return self._loss_scale_value
 
     def __call__(self) -> Any:
-        return ops.convert_to_tensor(self._loss_scale_value, dtype="float32")
+        # A `constant`: on PyTorch no copy from the host at each step.
+        value = constant(self._loss_scale_value, "float32")
+        return ops.convert_to_tensor(value, dtype="float32")
 
     def update(self, is_finite: Any) -> Any:
-        return ops.convert_to_tensor(True)
+        return ops.convert_to_tensor(constant(True, "bool"))
 
     def get_config(self) -> dict[str, Any]:
         """Every constructor argument, as `from_config` takes it."""
@@ -360,12 +363,18 @@ class DynamicLossScale(LossScale):
         good_steps = ops.convert_to_tensor(self._num_good_steps.value, "int32")
 
         good_steps = good_steps + 1
-        grow = ops.greater_equal(good_steps, self.increment_period)
+        # Python numbers as `constant`s (on PyTorch, no copy from the host).
+        grow = ops.greater_equal(
+            good_steps, constant(self.increment_period, "int32")
+        )
         grown = scale * self.multiplier
         can_grow = ops.isfinite(grown)
         if self.max_loss_scale is not None:
             can_grow = ops.logical_and(
-                can_grow, ops.less_equal(grown, self.max_loss_scale)
+                can_grow,
+                ops.less_equal(
+                    grown, constant(float(self.max_loss_scale), "float32")
+                ),
             )
         scale_if_finite = ops.where(
             ops.logical_and(grow, can_grow), grown, scale
@@ -376,14 +385,17 @@ class DynamicLossScale(LossScale):
         # would give a different float32 (by one ulp, for a multiplier
         # that is not a power of two) eagerly and compiled.
         scale_if_not = ops.maximum(
-            scale * (1.0 / self.multiplier), self.min_loss_scale
+            scale * (1.0 / self.multiplier),
+            constant(float(self.min_loss_scale), "float32"),
         )
         if self._overflows_in_a_row is not None:
             overflows = (
                 ops.convert_to_tensor(self._overflows_in_a_row.value, "int32")
                 + 1
             )
-            lower = ops.greater_equal(overflows, self.hysteresis)
+            lower = ops.greater_equal(
+                overflows, constant(self.hysteresis, "int32")
+            )
             scale_if_not = ops.where(lower, scale_if_not, scale)
             self._overflows_in_a_row.assign(
                 ops.where(

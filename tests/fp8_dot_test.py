@@ -283,6 +283,53 @@ def test_torch_scaled_mm_and_the_cpu_upcast_give_the_same_bits(monkeypatch):
         np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
 
 
+@pytest.mark.backends("torch")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("stats", [False, True])
+def test_torch_codes_of_16bit_inputs_are_made_without_a_float32_copy(
+    dtype, stats, monkeypatch
+):
+    """Tensorwise codes of a bfloat16 or float16 input and output gradient
+    are made from them as they are (`torch_fp8_operands.encode` is handed
+    the 16-bit tensors, not float32 casts), bit for bit the values path,
+    which casts to float32 first; statistics included."""
+    import torch
+
+    from keras_mp.backend import fp8 as backend_fp8
+    from keras_mp.backend import torch_fp8_operands
+
+    x, kernel, g = _operands(16, 32, 48)
+    x, g = x.astype(dtype), g.astype(dtype)
+    recipe = fp8.Recipe(stats=stats)
+
+    def run():
+        carrier = ops.zeros(fp8.stats.SHAPE) if stats else None
+        carrier = carrier if carrier is None else carrier.requires_grad_(True)
+
+        def function(x, kernel):
+            return fp8.dot(x, kernel, recipe, stats=carrier)
+
+        results = _run(function, x, kernel, g)
+        return (*results, *([carrier.grad] if stats else []))
+
+    upcast = run()
+    monkeypatch.setattr(backend_fp8, "SCALED_MM_ON_CPU", True)
+    encoded = []
+    encode = torch_fp8_operands.encode
+
+    def recording(t, *args):
+        encoded.append(t.dtype)
+        return encode(t, *args)
+
+    monkeypatch.setattr(torch_fp8_operands, "encode", recording)
+    scaled = run()
+    source = getattr(torch, dtype)
+    assert encoded == [source, torch.float32, source]
+    assert scaled[0].dtype == upcast[0].dtype == source
+    for a, b in zip(scaled, upcast):
+        np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [

@@ -190,3 +190,81 @@ def test_torch_fp8_step_adds_no_host_sync(recipe, monkeypatch):
             model.fit(x, x, batch_size=8, epochs=1, verbose=0)
         per_step[name] = sum(many.values()) - sum(one.values())
     assert per_step["fp8"] == per_step["mixed"], per_step
+
+
+@pytest.mark.backends("torch")
+@pytest.mark.parametrize(
+    "policy, recipe, optimizer",
+    [
+        ("mixed_bfloat16", None, {}),
+        ("mixed_bfloat16", None, {"skip_on_device": True}),
+        ("mixed_float16", None, None),
+        ("mixed_bfloat16", {}, None),
+        ("mixed_bfloat16", {"scaling": "delayed"}, None),
+        ("mixed_bfloat16", {"stats": True}, None),
+        ("mixed_bfloat16", {"granularity": "rowwise"}, None),
+        ("mixed_bfloat16", {"scaling": "delayed", "stats": True}, {}),
+    ],
+    ids=[
+        "lso",
+        "lso-on-device",
+        "float16",
+        "fp8-current",
+        "fp8-delayed",
+        "fp8-stats",
+        "fp8-rowwise",
+        "fp8-delayed-stats-lso",
+    ],
+)
+def test_torch_step_makes_no_tensor_from_host_data(
+    policy, recipe, optimizer, monkeypatch
+):
+    """keras_mp's code in a `fit` step hands `keras.ops` no Python number
+    that becomes a tensor (`count_host_copies`): on a GPU each is a copy
+    from the host that waits for the queued kernels. An H100's FP8 decoder
+    step made 147 (the power-of-two scales' bit masks and clips, the
+    statistics' sizes, delayed scaling's folds), and ran at 0.96x the
+    bfloat16 step with its GEMMs 1.24x faster."""
+    from keras_mp.backend import fp8 as backend_fp8
+    from keras_mp.testing import count_host_copies
+
+    monkeypatch.setattr(backend_fp8, "SCALED_MM_ON_CPU", True)
+    fp8 = None if recipe is None else keras_mp.fp8.Recipe(**recipe)
+    keras_mp.set_global_policy(policy, fp8=fp8)
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((64,)),
+                keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(64),
+                keras.layers.Dense(16),
+            ]
+        )
+        inner = keras.optimizers.Adam(0.01)
+        if optimizer is not None:
+            inner = keras_mp.LossScaleOptimizer(inner, **optimizer)
+        model.compile(inner, loss="mse")
+    finally:
+        keras_mp.set_global_policy(None)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 64)).astype("float32")
+    y = rng.normal(size=(16, 16)).astype("float32")
+    for _ in range(2):
+        model.train_on_batch(x, y)
+    with count_host_copies() as copies:
+        for _ in range(2):
+            model.train_on_batch(x, y)
+    assert not copies, dict(copies)
+
+
+@pytest.mark.backends("torch")
+def test_count_host_copies_names_the_keras_mp_line():
+    from keras_mp.testing import count_host_copies
+
+    with count_host_copies() as copies:
+        keras.ops.add(keras.ops.ones(()), 1.0)  # the test's own: not counted
+        # An unbuilt scale converts its initial value from the host.
+        keras_mp.DynamicLossScale()()
+    (where,) = copies
+    assert where.startswith("keras_mp/loss_scale.py:"), dict(copies)

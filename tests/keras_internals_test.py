@@ -276,3 +276,20 @@ def test_model_checkpoint_saves_go_through_one_guard():
     assert getattr(guarded, "_keras_mp_hook", False)
     _keras_internals.install_checkpoint_save_guard(lambda callback: False)
     assert checkpoint._save_model is guarded
+
+
+def test_constant_is_made_once_on_torch_and_is_the_value_elsewhere():
+    from keras_mp._keras_internals import constant
+
+    first = constant(0x7FFFFF, "int32")
+    vector = constant((1, 2), "int32")
+    if keras.backend.backend() == "torch":
+        assert constant(0x7FFFFF, "int32") is first
+        assert keras.backend.standardize_dtype(first.dtype) == "int32"
+        assert int(first) == 0x7FFFFF
+        # The same number in another dtype is another tensor.
+        assert constant(0x7FFFFF, "float32") is not first
+    else:
+        assert first == 0x7FFFFF
+    assert keras.backend.standardize_dtype(vector.dtype) == "int32"
+    assert keras.ops.convert_to_numpy(vector).tolist() == [1, 2]

@@ -61,11 +61,14 @@ def _assert_layouts(row, column, shape):
     assert column.stride() == (1, shape[0])
 
 
+@pytest.mark.parametrize("source", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("implementation", ["copy", "compiled"])
 def test_both_layouts_hold_the_oracles_codes_bit_for_bit(
-    implementation, fmt, monkeypatch
+    implementation, fmt, source, monkeypatch
 ):
+    """From float32, and from bfloat16 and float16 read as they are (the
+    oracle takes their values in float32)."""
     import torch
 
     from keras_mp.backend import torch_fp8_operands
@@ -73,19 +76,21 @@ def test_both_layouts_hold_the_oracles_codes_bit_for_bit(
 
     monkeypatch.setattr(torch_fp8_operands, "FORCED", implementation)
     x, scale = _inputs(fmt)
+    x = torch.from_numpy(x).to(getattr(torch, source))
     row, column = torch_fp8_operands.encode(
-        torch.from_numpy(x), torch.tensor(scale), fmt, ("row", "column")
+        x, torch.tensor(scale), fmt, ("row", "column")
     )
-    _assert_layouts(row, column, x.shape)
-    expected = reference.encode(x, scale, fmt)
+    _assert_layouts(row, column, tuple(x.shape))
+    values = x.float()
+    expected = reference.encode(values.numpy(), scale, fmt)
     _assert_codes(row, expected)
     _assert_codes(column, expected)
-    eager = encode(torch.from_numpy(x) / torch.tensor(scale), fmt)
+    eager = encode(values / torch.tensor(scale), fmt)
     np.testing.assert_array_equal(
         row.view(torch.uint8).numpy(), eager.view(torch.uint8).numpy()
     )
     (alone,) = torch_fp8_operands.encode(
-        torch.from_numpy(x), torch.tensor(scale), fmt, ("column",)
+        x, torch.tensor(scale), fmt, ("column",)
     )
     assert alone.stride() == column.stride()
     _assert_codes(alone, expected)
@@ -117,22 +122,25 @@ _TRITON_SCRIPT = textwrap.dedent(
         for scale_shape in ((), (97, 1), (1, 150)):
             scale = np.exp2(rng.integers(-20, 20, scale_shape))
             scale = np.asarray(scale, np.float32)
-            x = torch.from_numpy(y * scale)
-            row, column = torch_fp8_operands.encode(
-                x, torch.from_numpy(scale), fmt, ("row", "column")
-            )
-            if row.stride() != (150, 1) or column.stride() != (1, 97):
-                failures.append((fmt, scale_shape, "strides"))
-            expected = np.clip(y, -fmax, fmax)
-            expected = np.where(np.isinf(y), y, expected).astype(dtype)
-            nan = np.isnan(expected.astype(np.float32))
-            for name, got in (("row", row), ("column", column)):
-                values = got.float().numpy()
-                bits = got.contiguous().view(torch.uint8).numpy()
-                if (np.isnan(values) != nan).any() or (
-                    bits[~nan] != expected.view(np.uint8)[~nan]
-                ).any():
-                    failures.append((fmt, scale_shape, name))
+            # The values are exact in bfloat16 too, which is read as is.
+            for source in (torch.float32, torch.bfloat16):
+                x = torch.from_numpy(y * scale).to(source)
+                row, column = torch_fp8_operands.encode(
+                    x, torch.from_numpy(scale), fmt, ("row", "column")
+                )
+                where = (fmt, scale_shape, str(source))
+                if row.stride() != (150, 1) or column.stride() != (1, 97):
+                    failures.append((*where, "strides"))
+                expected = np.clip(y, -fmax, fmax)
+                expected = np.where(np.isinf(y), y, expected).astype(dtype)
+                nan = np.isnan(expected.astype(np.float32))
+                for name, got in (("row", row), ("column", column)):
+                    values = got.float().numpy()
+                    bits = got.contiguous().view(torch.uint8).numpy()
+                    if (np.isnan(values) != nan).any() or (
+                        bits[~nan] != expected.view(np.uint8)[~nan]
+                    ).any():
+                        failures.append((*where, name))
     print(failures)
     sys.exit(1 if failures else 0)
     """
@@ -143,12 +151,12 @@ _TRITON_SCRIPT = textwrap.dedent(
     importlib.util.find_spec("triton") is None, reason="needs triton"
 )
 def test_the_triton_kernel_writes_both_layouts_under_the_interpreter():
-    """Indexing, masks, per-row and per-column scales and the special
-    values; finite values on the FP8 grid only, since the interpreter's
-    FP8 cast rounds ties away and loses carries (triton 3.9.0): a GPU
-    checks the rounding. In a fresh process: `TRITON_INTERPRET` is read
-    when Triton is imported, and Triton's LLVM clashes with TensorFlow's
-    in one process."""
+    """Indexing, masks, per-row and per-column scales and the special values,
+    from float32 and from bfloat16 read as it is; finite values on the FP8 grid
+    only, since the interpreter's FP8 cast rounds ties away and loses carries
+    (triton 3.9.0): a GPU checks the rounding. In a fresh process:
+    `TRITON_INTERPRET` is read when Triton is imported, and Triton's LLVM
+    clashes with TensorFlow's in one process."""
     env = dict(
         os.environ,
         TRITON_INTERPRET="1",

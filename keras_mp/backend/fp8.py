@@ -175,6 +175,8 @@ def _torch_amax(x, axis):
         result = torch.linalg.vector_norm(
             x, ord=float("inf"), dim=axis, keepdim=True
         )
+    # A 16-bit `x`'s amax is one of its values: exact in float32.
+    result = result.to(torch.float32)
     return torch.where(torch.isnan(result), float("inf"), result)
 
 
@@ -188,6 +190,80 @@ def one_hot(index, depth):
     positions = ops.arange(depth, dtype="int32")
     index = ops.expand_dims(ops.cast(index, "int32"), -1)
     return ops.cast(ops.equal(positions, index), "float32")
+
+
+def reshape(x, shape):
+    """`keras.ops.reshape`; on PyTorch the tensor's own `reshape`
+    (`keras.ops` first looks for symbolic tensors among its arguments:
+    tens of microseconds of host time a call, several in every eager FP8
+    GEMM)."""
+    if keras.backend.backend() == "torch":
+        return x.reshape(tuple(shape))
+    return keras.ops.reshape(x, shape)
+
+
+def cast(x, dtype):
+    """`keras.ops.cast`; on PyTorch the tensor's own `to` (see
+    `reshape`), nothing where `x` has that dtype already."""
+    if keras.backend.backend() != "torch":
+        return keras.ops.cast(x, dtype)
+    import torch
+
+    target = getattr(torch, keras.backend.standardize_dtype(dtype))
+    return x if x.dtype == target else x.to(target)
+
+
+# Whether `keras_mp.fp8.codes.scale_from_amax` uses
+# `torch_scale_from_amax` on PyTorch (tests compare the two ways).
+TORCH_BIT_OPS = True
+
+
+def has_torch_bit_ops(amax):
+    """Whether `scale_from_amax` of `amax` runs as `torch_scale_from_amax`:
+    a torch tensor on the torch backend, not while `torch.compile`
+    traces (the compiled graph is the same either way)."""
+    if not TORCH_BIT_OPS or keras.backend.backend() != "torch":
+        return False
+    import torch
+
+    return isinstance(amax, torch.Tensor) and not torch.compiler.is_compiling()
+
+
+def torch_scale_from_amax(amax, exponent, mantissa, low, high):
+    """`keras_mp.fp8.codes.scale_from_amax` in torch operations, bit for
+    bit: the power of two whose biased exponent is `amax`'s, less
+    `exponent`, plus one where `amax`'s mantissa bits exceed `mantissa`,
+    clipped to `[low, high]`; 1 where `amax` is 0, `amax` where it is not
+    finite. `exponent` and `mantissa` are ints, or int32 tensors (one per
+    value of the last axis). Python numbers stay numbers (no tensor from
+    the host)."""
+    import torch
+
+    amax = amax.to(torch.float32)
+    bits = amax.view(torch.int32)
+    above = (torch.bitwise_and(bits, 0x7FFFFF) > mantissa).to(torch.int32)
+    biased = torch.bitwise_right_shift(bits, 23) - exponent + above
+    biased = torch.clamp(biased, low, high)
+    scale = torch.bitwise_left_shift(biased, 23).view(torch.float32)
+    scale = torch.where(amax == 0.0, 1.0, scale)
+    return torch.where(torch.isfinite(amax), scale, amax)
+
+
+def segment_sum(data, segment_ids, num_segments):
+    """`keras.ops.segment_sum` of 1-D `data` into `num_segments` (a Python
+    int) by int32 `segment_ids` in `[0, num_segments)`. On PyTorch an
+    `index_add` (Keras's makes a tensor of `data`'s shape from the host at
+    each call: on a GPU a copy that waits for the queued kernels)."""
+    if keras.backend.backend() != "torch":
+        return keras.ops.segment_sum(
+            data, segment_ids, num_segments=num_segments
+        )
+    import torch
+
+    data = keras.ops.convert_to_tensor(data)
+    segment_ids = keras.ops.convert_to_tensor(segment_ids)
+    sums = torch.zeros(num_segments, dtype=data.dtype, device=data.device)
+    return sums.index_add(0, segment_ids.to(torch.int64), data)
 
 
 def custom_gradient(f):
@@ -462,6 +538,19 @@ def has_layouts(x):
         keras.backend.backend() == "torch"
         and not rounds_to_values(x)
         and len(x.shape) == 2
+    )
+
+
+def reads_16bit(x):
+    """Whether the FP8 codes of 2-D bfloat16 or float16 `x` are made from
+    `x` as it is, without a float32 cast first: PyTorch's codes
+    (`has_layouts`), whose amax (`amax`) and casts
+    (`torch_fp8_operands.encode`) read 16-bit values and make each one
+    float32 inside their pass."""
+    return has_layouts(x) and keras.backend.standardize_dtype(x.dtype) in (
+        "bfloat16",
+        "float16",
+        "float32",
     )
 
 

@@ -4,8 +4,11 @@ cuBLASLt's FP8 GEMM (`torch._scaled_mm`) takes a row-major A and a
 column-major B. A tensorwise operand of `fp8.dot` enters two GEMMs, once
 in each layout (a Keras `[K, N]` kernel is B of the forward product,
 column-major, and `B^T` of the input gradient, row-major), so both layouts
-are written from one read of the float32 values, as torchao's eager
-kernels do, instead of a cast followed by eager transposes:
+are written from one read of the values, as torchao's eager kernels do,
+instead of a cast followed by eager transposes. A bfloat16 or float16
+tensor is read as it is (each value made float32 inside the pass: exact),
+not cast to float32 first, which would write and read twice its bytes
+once more:
 
 - `"triton"`: a Triton kernel, for CUDA tensors where Triton imports
   (torch's CUDA wheels depend on it; its CPU wheels do not, so it is
@@ -50,6 +53,17 @@ _FORMATS = {
     "e5m2": ("float8_e5m2", 57344.0, True),
 }
 
+# The dtypes `encode` reads (each value made float32 first: exact).
+SOURCE_DTYPES = ("float32", "bfloat16", "float16")
+
+# The Triton kernel's tile (BLOCK x BLOCK values per program) and warps
+# per program (`benchmarks/gpu/fp8_speed.py` section b times others). An
+# 8192^2 bfloat16 tensor made codes in both layouts, in GB/s of input: on
+# an H100 923 with these, 1073 with 8 warps; on an H200 1272 with these,
+# 997 with 8 warps (paired rounds, 2026-11-27): no other tile wins on both.
+TRITON_BLOCK = 64
+TRITON_WARPS = 4
+
 _compiled = None
 _kernel = None
 # The implementations that failed in this process: the next one serves.
@@ -57,10 +71,10 @@ _failed = set()
 
 
 def encode(x, scale, fmt, layouts):
-    """FP8 codes of 2-D float32 `x / scale`, one tensor per layout.
+    """FP8 codes of 2-D `x / scale` (in float32), one tensor per layout.
 
     Args:
-        x: A 2-D float32 torch tensor.
+        x: A 2-D float32, bfloat16 or float16 torch tensor.
         scale: Positive float32 power-of-two scales (or inf), a tensor
             broadcastable to `x` (tensorwise, per row, per column).
         fmt: `"e4m3"` or `"e5m2"`.
@@ -72,9 +86,11 @@ def encode(x, scale, fmt, layouts):
     """
     import torch
 
-    if x.ndim != 2 or x.dtype != torch.float32:
+    sources = tuple(getattr(torch, name) for name in SOURCE_DTYPES)
+    if x.ndim != 2 or x.dtype not in sources:
         raise ValueError(
-            "The fused FP8 quantization takes a 2-D float32 tensor. "
+            "The fused FP8 quantization takes a 2-D float32, bfloat16 or "
+            "float16 tensor. "
             f"Received: x of shape {tuple(x.shape)} and dtype {x.dtype}. "
             "Reshape and cast it first, or quantize it with "
             "`keras_mp.fp8.quantize`."
@@ -173,7 +189,7 @@ def encode_layouts(x, scale, fmax, dtype, keeps_inf, layouts):
     (see the module docstring)."""
     import torch
 
-    y = x / scale
+    y = x.to(torch.float32) / scale
     clipped = torch.where(y > fmax, fmax, torch.where(y < -fmax, -fmax, y))
     clipped = torch.where(
         torch.isinf(y), y if keeps_inf else float("nan"), clipped
@@ -221,7 +237,7 @@ def _triton_encode(x, scale, fmax, dtype, keeps_inf, layouts):
     # The kernel writes bytes; an output it does not write is a stand-in.
     row = outputs.get("row", outputs.get("column")).view(torch.uint8)
     column = outputs.get("column", outputs.get("row")).view(torch.uint8)
-    block = 64
+    block = TRITON_BLOCK
     grid = (triton.cdiv(rows, block), triton.cdiv(columns, block))
     kernel[grid](
         x,
@@ -239,6 +255,7 @@ def _triton_encode(x, scale, fmax, dtype, keeps_inf, layouts):
         ROW="row" in outputs,
         COLUMN="column" in outputs,
         BLOCK=block,
+        num_warps=TRITON_WARPS,
     )
     return [outputs[layout] for layout in layouts]
 
@@ -275,7 +292,7 @@ def _triton_kernel():
             x_ptr + r[:, None] * x_stride_row + c[None, :] * x_stride_column,
             mask=mask,
             other=0.0,
-        )
+        ).to(tl.float32)
         inverse = tl.load(
             inverse_ptr
             + r[:, None] * inverse_stride_row

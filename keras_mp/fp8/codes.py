@@ -18,6 +18,7 @@ of scaled values, and the operands a GEMM multiplies. Imports only
 import keras
 from keras import ops
 
+from keras_mp._keras_internals import constant
 from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.fp8.recipe import check_choice
 
@@ -86,16 +87,29 @@ def scale_from_amax(amax, fmt="e4m3", margin=0):
         for each in fmt:
             check_format(each)
         thresholds = [_threshold(each, margin) for each in fmt]
-        exponent = ops.convert_to_tensor([e for e, _ in thresholds], "int32")
-        mantissa = ops.convert_to_tensor([m for _, m in thresholds], "int32")
+        exponent = constant(tuple(e for e, _ in thresholds), "int32")
+        mantissa = constant(tuple(m for _, m in thresholds), "int32")
     else:
         check_format(fmt)
         exponent, mantissa = _threshold(fmt, margin)
+    if backend_fp8.has_torch_bit_ops(amax):
+        # The same operations in torch itself: a third of `keras.ops`'
+        # host time, which an eager GPU step spends for every tensor.
+        return backend_fp8.torch_scale_from_amax(
+            amax, exponent, mantissa, _MIN_EXPONENT, _MAX_EXPONENT
+        )
     amax = ops.cast(amax, "float32")
     bits = ops.view(amax, "int32")
     biased = ops.right_shift(bits, 23)
-    above = ops.cast(ops.bitwise_and(bits, 0x7FFFFF) > mantissa, "int32")
-    biased = ops.clip(biased - exponent + above, _MIN_EXPONENT, _MAX_EXPONENT)
+    # Python numbers as `constant`s: on PyTorch each would otherwise be a
+    # copy from the host at every call, which waits for the GPU.
+    mantissa_bits = ops.bitwise_and(bits, constant(0x7FFFFF, "int32"))
+    above = ops.cast(mantissa_bits > mantissa, "int32")
+    biased = ops.clip(
+        biased - exponent + above,
+        constant(_MIN_EXPONENT, "int32"),
+        constant(_MAX_EXPONENT, "int32"),
+    )
     scale = ops.view(ops.left_shift(biased, 23), "float32")
     scale = ops.where(amax == 0.0, ops.ones_like(scale), scale)
     return ops.where(ops.isfinite(amax), scale, amax)

@@ -41,6 +41,7 @@ import collections
 
 from keras import ops
 
+from keras_mp._keras_internals import constant
 from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.fp8 import stats as stats_module
 from keras_mp.fp8.codes import scale_from_amax
@@ -69,7 +70,7 @@ def bin_value(index):
     `scale_from_amax` gives it the scale of every amax in the bin, for
     every format and margin (each threshold is `1.75 * 2**k`)."""
     exponent = ops.right_shift(index, 1)
-    above = ops.bitwise_and(index, 1)
+    above = ops.bitwise_and(index, constant(1, "int32"))
     bits = ops.left_shift(exponent, 23) + above * 0x700000  # 1.875
     value = ops.view(ops.cast(bits, "int32"), "float32")
     return ops.where(exponent == 0, ops.zeros_like(value), value)
@@ -79,7 +80,9 @@ def carrier_amax_bins(carrier):
     """The highest bin present in each row of `carrier`, or -1 (int32)."""
     bins = carrier[:, : stats_module.HISTOGRAM_BINS]
     index = ops.arange(stats_module.HISTOGRAM_BINS, dtype="int32")
-    present = ops.where(bins > 0, ops.expand_dims(index, 0), -1)
+    present = ops.where(
+        bins > 0, ops.expand_dims(index, 0), constant(-1, "int32")
+    )
     return ops.max(present, axis=1)
 
 
@@ -97,12 +100,12 @@ def fold(history, folds, carrier):
         is finite is shifted by one and starts with it, and `folds` is one
         more.
     """
-    parity = ops.mod(folds, 2)
+    parity = ops.mod(folds, constant(2, "int32"))
     marks = carrier[0, PARITY : PARITY + 2]
     fresh = ops.take(marks, parity) > 0
     top = carrier_amax_bins(carrier)
     finite = ops.logical_and(top >= 0, top < stats_module.FINITE_BINS)
-    amax = bin_value(ops.maximum(top, 0))
+    amax = bin_value(ops.maximum(top, constant(0, "int32")))
     shifted = ops.concatenate(
         [ops.expand_dims(amax, 1), history[:, :-1]], axis=1
     )
@@ -130,7 +133,7 @@ def carrier_loss_scale(carrier):
 
 def scaling(history, folds, carrier, recipe):
     """The `Scaling` of a call, from the (folded) state and the carrier."""
-    parity = backend_fp8.one_hot(ops.mod(folds, 2), 2)
+    parity = backend_fp8.one_hot(ops.mod(folds, constant(2, "int32")), 2)
     return Scaling(
         scales=history_scales(history, recipe),
         first=folds == 0,

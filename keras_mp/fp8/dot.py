@@ -137,29 +137,37 @@ def dot(x, kernel, recipe=None, output_dtype=None, stats=None, delayed=None):
     quantizer = quantizers.get(recipe)
     dtypes = quantizers.Dtypes(output_dtype, x_dtype, kernel_dtype)
 
+    def operand(t):
+        """2-D `t` as the quantizer takes it: float32, or as it is where
+        the quantizer and backend read bfloat16 and float16 values
+        themselves (each made float32 inside their passes: exact)."""
+        if quantizer.reads_16bit and fp8_backend.reads_16bit(t):
+            return t
+        return fp8_backend.cast(t, "float32")
+
     def forward(x, kernel, rows, scaling=None):
         x_shape = ops.shape(x)
-        source_x = ops.reshape(x, (-1, k))
-        x2 = ops.cast(source_x, "float32")
-        kernel = ops.cast(kernel, "float32")
+        source_x = fp8_backend.reshape(x, (-1, k))
+        x2 = operand(source_x)
+        kernel = fp8_backend.cast(kernel, "float32")
         call = quantizers.Call(recipe, rows, dtypes, scaling, source_x)
         out = quantizer.forward(call, x2, kernel)
         call.end_forward(keep_input=quantizer.backward_reads_input)
-        out = ops.reshape(out, (*x_shape[:-1], n))
+        out = fp8_backend.reshape(out, (*x_shape[:-1], n))
 
         def backward(args, upstream):
             # TensorFlow and JAX pass the output gradient alone; PyTorch
             # passes the inputs, and the output gradient by name.
             if upstream is None:
                 (upstream,) = args
-            g = ops.reshape(ops.cast(upstream, "float32"), (-1, n))
+            g = operand(fp8_backend.reshape(upstream, (-1, n)))
             dx = quantizer.input_gradient(call, g)
             dw = quantizer.kernel_gradient(call, g)
             call.end_backward()
-            dx = ops.cast(ops.reshape(dx, x_shape), x_dtype)
-            return dx, ops.cast(dw, kernel_dtype)
+            dx = fp8_backend.cast(fp8_backend.reshape(dx, x_shape), x_dtype)
+            return dx, fp8_backend.cast(dw, kernel_dtype)
 
-        return ops.cast(out, output_dtype), backward
+        return fp8_backend.cast(out, output_dtype), backward
 
     if stats is None:
 

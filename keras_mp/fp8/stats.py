@@ -42,10 +42,13 @@ Imports only `keras_mp._keras_internals`, `keras_mp.backend` and
 `keras_mp.fp8.quantize`.
 """
 
+import math
+
 import numpy as np
 from keras import ops
 
 from keras_mp import _keras_internals
+from keras_mp._keras_internals import constant
 from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.fp8.codes import FORMATS
 
@@ -65,7 +68,9 @@ def amax_bin(amax):
     """The histogram bin of a non-negative float32 `amax` (int32)."""
     bits = ops.view(ops.cast(amax, "float32"), "int32")
     above = ops.cast(
-        ops.bitwise_and(bits, 0x7FFFFF) > _MANTISSA_ABOVE_1_75, "int32"
+        ops.bitwise_and(bits, constant(0x7FFFFF, "int32"))
+        > _MANTISSA_ABOVE_1_75,
+        "int32",
     )
     return ops.right_shift(bits, 23) * 2 + above
 
@@ -94,13 +99,17 @@ def tensor_row(x, scale, fmt, counts=True, amax=None):
     if not counts:
         # Delayed scaling needs the amax alone: no pass over `x` for the
         # flushed and saturated counts (left 0).
-        size = ops.reshape(ops.cast(ops.size(x), "float32"), (1,))
+        size = ops.reshape(_size(x), (1,))
         return ops.concatenate(
             [_histogram(x, amax), size, ops.zeros((2,), "float32")]
         )
+    # `x` may be bfloat16 (`Quantizer.reads_16bit`): its quotient by the
+    # scale is taken in float32, as the cast to FP8 takes it.
+    x = ops.cast(x, "float32")
     y = x / scale
     flushed = ops.logical_and(
-        ops.not_equal(x, 0.0), ops.abs(y) <= _HALF_SMALLEST_SUBNORMAL[fmt]
+        ops.not_equal(x, constant(0.0, "float32")),
+        ops.abs(y) <= _HALF_SMALLEST_SUBNORMAL[fmt],
     )
     saturated = ops.logical_and(ops.isfinite(y), ops.abs(y) > fmax)
     return counted_row(x, flushed, saturated, amax)
@@ -122,12 +131,22 @@ def counted_row(x, flushed, saturated, amax=None):
     """
     counts = ops.stack(
         [
-            ops.cast(ops.size(x), "float32"),
+            _size(x),
             ops.sum(ops.cast(flushed, "float32")),
             ops.sum(ops.cast(saturated, "float32")),
         ]
     )
     return ops.concatenate([_histogram(x, amax), counts])
+
+
+def _size(x):
+    """The number of values of `x`, a float32 scalar: a `constant` where
+    the shape is known (no copy from the host on PyTorch)."""
+    shape = tuple(x.shape)
+    if all(isinstance(d, int) for d in shape):
+        size = constant(float(math.prod(shape)), "float32")
+        return ops.convert_to_tensor(size, "float32")
+    return ops.cast(ops.size(x), "float32")
 
 
 def _histogram(x, amax=None):
@@ -155,12 +174,12 @@ def remove_loss_scale(stats, loss_scale):
     bits = ops.view(ops.cast(ops.reshape(loss_scale, ()), "float32"), "int32")
     shift = (ops.right_shift(bits, 23) - 127) * 2
     target = ops.clip(
-        ops.arange(FINITE_BINS, dtype="int32") - shift, 0, FINITE_BINS - 1
+        ops.arange(FINITE_BINS, dtype="int32") - shift,
+        constant(0, "int32"),
+        constant(FINITE_BINS - 1, "int32"),
     )
     row = stats[2]
-    histogram = ops.segment_sum(
-        row[:FINITE_BINS], target, num_segments=FINITE_BINS
-    )
+    histogram = backend_fp8.segment_sum(row[:FINITE_BINS], target, FINITE_BINS)
     row = ops.concatenate([histogram, row[FINITE_BINS:]])
     return ops.concatenate([stats[:2], ops.expand_dims(row, 0)], axis=0)
 

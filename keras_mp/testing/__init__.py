@@ -24,6 +24,7 @@ __all__ = [
     "backend_einsum",
     "block_spread_operands",
     "bytes_per_parameter",
+    "count_host_copies",
     "count_host_syncs",
     "describe_machine",
     "fp8_code_bits",
@@ -423,6 +424,78 @@ def count_host_syncs():
     finally:
         for target, name, original, _, _ in patches:
             setattr(target, name, original)
+
+
+@contextlib.contextmanager
+def count_host_copies():
+    """Counts the tensors keras_mp's own code makes from host data on
+    PyTorch (`torch.as_tensor` and `torch.tensor` of Python numbers,
+    lists or NumPy arrays, which `keras.ops` calls for every Python number
+    it is given), by the keras_mp line that asked for them.
+
+    On a GPU each one is a copy from pageable host memory that waits for
+    every kernel queued before it (PyTorch's sync debug mode reports them
+    as synchronizing): the copies that `count_host_syncs` does not see. A
+    CPU makes the same calls, so the count taken here is the one a GPU
+    would see. Host data that Keras's own code (its optimizers, losses,
+    metrics) or `keras_mp.testing` hands over is not counted. Elsewhere
+    than PyTorch the counter stays empty (a compiled step's numbers are
+    constants of its graph).
+
+    Yields:
+        A `collections.Counter` of `"module.py:line"` of the keras_mp
+        line nearest the call, filled in as the context runs.
+    """
+    import keras
+
+    counts = collections.Counter()
+    if keras.backend.backend() != "torch":
+        yield counts
+        return
+    import torch
+
+    package = pathlib.Path(__file__).resolve().parents[1]
+    testing = pathlib.Path(__file__).resolve().parent
+    # The frames of torch and of Keras's ops and backend are passed over:
+    # the first frame outside them handed over the host data (Keras's own
+    # optimizers, losses and metrics are not keras_mp's).
+    keras_src = pathlib.Path(keras.__file__).resolve().parent / "src"
+    libraries = [
+        pathlib.Path(torch.__file__).resolve().parent,
+        keras_src / "backend",
+        keras_src / "ops",
+    ]
+    originals = {name: getattr(torch, name) for name in ("as_tensor", "tensor")}
+
+    def asker():
+        frame = sys._getframe(2)
+        while frame is not None:
+            path = pathlib.Path(frame.f_code.co_filename).resolve()
+            if not any(library in path.parents for library in libraries):
+                if package in path.parents and testing not in path.parents:
+                    where = path.relative_to(package.parent)
+                    return f"{where}:{frame.f_lineno}"
+                return None
+            frame = frame.f_back
+        return None
+
+    def counting(original):
+        def make(data, *args, **kwargs):
+            if not isinstance(data, torch.Tensor):
+                where = asker()
+                if where is not None:
+                    counts[where] += 1
+            return original(data, *args, **kwargs)
+
+        return make
+
+    for name, original in originals.items():
+        setattr(torch, name, counting(original))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(torch, name, original)
 
 
 def _torch_scalar_read_counter(counts, depth):

@@ -203,6 +203,10 @@ class Quantizer(abc.ABC):
     # they do not, `dot` lets it go after the forward (the backward keeps
     # only what the gradients use, as JAX's and TensorFlow's graphs do).
     backward_reads_input = True
+    # Whether the roles also take bfloat16 and float16 `x` and `g` as they
+    # are, where the backend reads them (`keras_mp.backend.fp8.reads_16bit`),
+    # giving the codes of their float32 casts.
+    reads_16bit = False
 
     @abc.abstractmethod
     def quantize(self, x, fmt, axis, margin, scale, block_shape):
