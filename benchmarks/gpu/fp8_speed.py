@@ -51,6 +51,7 @@ of a directory into `table.md`.
 """
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -382,12 +383,40 @@ def _quantize_functions(x):
             col.copy_(y)
             return y.to(torch.float8_e4m3fn), col
 
+        from keras_mp.backend import fp8 as backend_fp8
+        from keras_mp.backend import torch_fp8_operands
+
+        def amax():
+            return backend_fp8.amax(x, None)
+
+        scale = torch.ones((), device=x.device)
+
+        def operands_t():
+            # `fp8.dot`'s pass alone (the device's implementation) on the
+            # bfloat16 input as it is, given its scale.
+            return torch_fp8_operands.encode(
+                x, scale, "e4m3", ("row", "column")
+            )
+
+        def amax_abs():
+            return torch.amax(torch.abs(x))
+
         functions = {
             "keras_mp_cast": quantize,
             "keras_mp_cast_t": quantize_t,
-            "torch_cast_t": torch_cast_t,
-            "empty_strided_t": empty_strided_t,
+            "amax": amax,
+            "amax_abs": amax_abs,
+            "operands_t": operands_t,
         }
+        if torch_fp8_operands.implementation_for(x) == "triton":
+            # The kernel's other tiles and warps (the default is 64, 4).
+            for block, warps in ((32, 4), (64, 8), (128, 8)):
+                functions[f"operands_t_{block}_{warps}"] = functools.partial(
+                    _with_tile, block, warps, operands_t
+                )
+        functions.update(
+            torch_cast_t=torch_cast_t, empty_strided_t=empty_strided_t
+        )
         if torch.cuda.is_available():
             both = torch.compile(torch_cast_t, fullgraph=True)
             functions["compiled_cast_t"] = both
@@ -417,6 +446,8 @@ def section_quantize(clock, smoke):
     note = dropped_note(dropped)
     if not on_gpu() and backend() == "torch":
         note = "; ".join(filter(None, [note, "torch.compile path: CUDA only"]))
+    if backend() == "torch":
+        note = _joined(note, operands_check())
     return rows_of(
         "b",
         f"quantize {size}x{size} bf16",
@@ -425,6 +456,67 @@ def section_quantize(clock, smoke):
         note,
         gb_per_s={n: round(v, 1) for n, v in gbs.items()},
     )
+
+
+def _with_tile(block, warps, function):
+    """`function()` with the Triton kernel's tile and warps set to these."""
+    from keras_mp.backend import torch_fp8_operands as operands
+
+    saved = operands.TRITON_BLOCK, operands.TRITON_WARPS
+    operands.TRITON_BLOCK, operands.TRITON_WARPS = block, warps
+    try:
+        return function()
+    finally:
+        operands.TRITON_BLOCK, operands.TRITON_WARPS = saved
+
+
+def operands_check():
+    """Whether the device's FP8 operand pass (`torch_fp8_operands`: the
+    Triton kernel on CUDA) gives the codes of the eager copies, bit for
+    bit (NaN as NaN), for every bfloat16 bit pattern read as it is,
+    in both formats and layouts: Triton's interpreter on a CPU rounds
+    ties its own way, so only a GPU checks the kernel's rounding."""
+    import numpy as np
+    import torch
+
+    from keras_mp.backend import torch_fp8_operands
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    patterns = np.arange(2**16, dtype=np.uint32) << 16
+    x = torch.from_numpy(patterns.view(np.float32).reshape(256, 256))
+    x = x.to(device=device, dtype=torch.bfloat16)
+    scale = torch.tensor(2.0**-4, device=device)
+    path = torch_fp8_operands.implementation_for(x)
+    mismatches = {}
+    for fmt in ("e4m3", "e5m2"):
+        got = torch_fp8_operands.encode(x, scale, fmt, ("row", "column"))
+        expected = torch_fp8_operands.encode_layouts(
+            x,
+            scale,
+            *_operand_format(fmt),
+            ("row",),
+        )[0]
+        bits = expected.view(torch.uint8)
+        nan = torch.isnan(expected.float())
+        for layout, codes in zip(("row", "column"), got):
+            codes = codes.contiguous()
+            same = (codes.view(torch.uint8) == bits) | (
+                nan & torch.isnan(codes.float())
+            )
+            mismatches[f"{fmt} {layout}"] = int((~same).sum())
+    wrong = {k: v for k, v in mismatches.items() if v}
+    verdict = f"mismatches {wrong}" if wrong else "bit-identical"
+    return f"operands check ({path} against copies, 65536 bf16 patterns): {verdict}"
+
+
+def _operand_format(fmt):
+    """`encode_layouts`' `(fmax, dtype, keeps_inf)` of `fmt`."""
+    import torch
+
+    from keras_mp.backend import torch_fp8_operands
+
+    name, fmax, keeps_inf = torch_fp8_operands._FORMATS[fmt]
+    return fmax, getattr(torch, name), keeps_inf
 
 
 # ----------------------------------------------------------- (c) fp8.dot
@@ -481,7 +573,10 @@ def _dot_functions(m, k, n):
 
 def section_dot(clock, smoke):
     m, k, n = SIZES["dot"][smoke]
-    ms, ratios, dropped = paired(_dot_functions(m, k, n), clock, smoke)
+    functions = _dot_functions(m, k, n)
+    ms, ratios, dropped = paired(functions, clock, smoke)
+    for name in ("bf16", "fp8_tensorwise"):
+        keep_profile("dot", name, functions[name])
     return rows_of(
         "c", f"fp8.dot fwd+bwd {m}x{k}x{n}", ms, ratios, dropped_note(dropped)
     )
@@ -535,8 +630,9 @@ def build_decoder(
     state_dtype=None,
 ):
     """The decoder, compiled with Adam, under `policy` (and `recipe`); with
-    `state_dtype`, Adam in a `keras_mp.OptimizerWrapper` keeping its state
-    in that dtype."""
+    `loss_scale_optimizer` (True, or a dict of its arguments), Adam in a
+    `keras_mp.LossScaleOptimizer`; with `state_dtype`, in a
+    `keras_mp.OptimizerWrapper` keeping its state in that dtype."""
     import keras
 
     d, heads, layers, seq, _, vocab = sizes
@@ -553,7 +649,9 @@ def build_decoder(
         if loss_scale_optimizer:
             import keras_mp
 
-            optimizer = keras_mp.LossScaleOptimizer(optimizer)
+            options = loss_scale_optimizer
+            options = options if isinstance(options, dict) else {}
+            optimizer = keras_mp.LossScaleOptimizer(optimizer, **options)
         if state_dtype is not None:
             import keras_mp
 
@@ -650,16 +748,94 @@ def time_steps(model, batch, clock, smoke, count_syncs=False):
         times.append(time.perf_counter() - start)
         if len(times) >= 2 and time.monotonic() > clock.deadline:
             break
-    if count_syncs and backend() == "torch":
-        from keras_mp.testing import count_host_syncs
-
-        with count_host_syncs() as counts:
-            model.train_on_batch(x, y)
-        syncs = sum(counts.values())
-        cuda = cuda_syncs(lambda: model.train_on_batch(x, y))
-        if cuda is not None:
-            syncs = f"{syncs} counted, {cuda} CUDA"
+    if count_syncs:
+        syncs = step_syncs(model, batch)
     return statistics.median(times) * 1e3, peak_gib(), syncs
+
+
+def step_syncs(model, batch):
+    """Host syncs of one `train_on_batch` step on torch: the reads
+    `count_host_syncs` counts and, on CUDA, the synchronizing calls of
+    PyTorch's sync debug mode (copies from the host included); None on
+    JAX."""
+    if backend() != "torch":
+        return None
+    from keras_mp.testing import count_host_syncs
+
+    x, y = batch
+    with count_host_syncs() as counts:
+        model.train_on_batch(x, y)
+    syncs = sum(counts.values())
+    cuda = cuda_syncs(lambda: model.train_on_batch(x, y))
+    return syncs if cuda is None else f"{syncs} counted, {cuda} CUDA"
+
+
+# Where one profiled decoder step of each variant goes ({variant: what
+# `profile_step` gave}): into the JSON beside the sections and the log.
+PROFILES = {}
+
+
+def profile_call(function, top=15):
+    """One `function()` under `torch.profiler` (PyTorch only; None on JAX,
+    whose HLO audit says what its step runs): `wall_ms` (the
+    profiler's overhead included), `device_ms` (the kernels' summed time
+    on CUDA; the aten ops' own CPU time on a CPU), `launches` (kernels, or
+    aten ops on a CPU) and the `top` names by that time, as `[name,
+    calls, ms]`. An error comes back as `{"error": ...}`: a profile never
+    costs the section its timings."""
+    if backend() != "torch":
+        return None
+    try:
+        import torch
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile
+
+        cuda = torch.cuda.is_available()
+        activities = [ProfilerActivity.CPU]
+        if cuda:
+            activities.append(ProfilerActivity.CUDA)
+        synchronize()
+        with profile(activities=activities) as profiler:
+            start = time.perf_counter()
+            function()
+            synchronize()
+            wall = (time.perf_counter() - start) * 1e3
+        totals = {}
+        for event in profiler.events():
+            if cuda:
+                if event.device_type != DeviceType.CUDA:
+                    continue
+                us = getattr(event, "device_time_total", None)
+                if us is None:
+                    us = event.cuda_time_total
+            else:
+                if not event.name.startswith("aten::"):
+                    continue
+                us = event.self_cpu_time_total
+            calls, total = totals.get(event.name, (0, 0.0))
+            totals[event.name] = (calls + 1, total + us / 1e3)
+        ranked = sorted(totals.items(), key=lambda item: -item[1][1])
+        return {
+            "wall_ms": round(wall, 2),
+            "device_ms": round(sum(t for _, t in totals.values()), 2),
+            "launches": sum(c for c, _ in totals.values()),
+            "top": [[n[:90], c, round(t, 3)] for n, (c, t) in ranked[:top]],
+        }
+    except Exception as error:  # noqa: BLE001 - a profile is optional
+        return {"error": f"{type(error).__name__}: {error}"[:300]}
+
+
+def keep_profile(section, name, function):
+    """`profile_call(function)` kept in `PROFILES` and printed (torch)."""
+    profile = profile_call(function)
+    if profile is None:
+        return
+    PROFILES[f"{section} {name}"] = profile
+    summary = {k: v for k, v in profile.items() if k != "top"}
+    print(f"[{section}] profile of {name}: {summary}", flush=True)
+    for entry in profile.get("top", []):
+        print(f"    {entry}", flush=True)
 
 
 def cuda_syncs(step):
@@ -744,6 +920,7 @@ def section_decoder(clock, smoke):
             model, batch, clock, smoke, count_syncs=True
         )
         resident[name] = resident_gib()
+        keep_profile("decoder", name, lambda: model.train_on_batch(*batch))
         fp8_layers[name] = sum(
             getattr(layer.dtype_policy, "fp8", None) is not None
             for layer in model._flatten_layers(include_self=False)
@@ -853,22 +1030,35 @@ def section_policies(clock, smoke, keras_ms):
     policies = POLICIES[:1] if smoke else POLICIES
     variants = [(p, p, False) for p in policies]
     variants.insert(1, ("mixed_bfloat16_lso", "mixed_bfloat16", True))
-    variants = {name: (policy, lso) for name, policy, lso in variants}
-
-    def measure(name, model):
-        ms[name], _, syncs[name] = time_steps(
-            model, batch, clock, smoke, count_syncs=True
+    if backend() == "torch":
+        # The other way to skip: the select on the device (no host read).
+        on_device = {"skip_on_device": True}
+        variants.insert(
+            2, ("mixed_bfloat16_lso_on_device", "mixed_bfloat16", on_device)
         )
-
-    note = each_variant(
-        variants,
-        clock,
-        smoke,
-        lambda name: build_decoder(
-            sizes, variants[name][0], loss_scale_optimizer=variants[name][1]
-        ),
-        measure,
-    )
+    variants = {name: rest for name, *rest in variants}
+    # Every variant built first (small models: they fit side by side), then
+    # timed in alternating rounds (`paired`): a variant timed after another
+    # on its own came out 10% apart from run to run on the H100.
+    models, note = {}, ""
+    for name, (policy, lso) in variants.items():
+        try:
+            clock.check("build")
+        except OutOfTime:
+            note = f"out of time before building {name}"
+            break
+        models[name] = build_decoder(sizes, policy, loss_scale_optimizer=lso)
+    functions = {
+        name: functools.partial(model.train_on_batch, *batch)
+        for name, model in models.items()
+    }
+    ms, paired_ratios, dropped = paired(functions, clock, smoke)
+    note = _joined(note, dropped_note(dropped))
+    for name, model in models.items():
+        if name in ms:
+            syncs[name] = step_syncs(model, batch)
+    models = functions = None
+    _release()
     ratios = {}
     for policy in policies:
         if f"keras_{policy}" in keras_ms and policy in ms:
@@ -876,8 +1066,10 @@ def section_policies(clock, smoke, keras_ms):
             ratios[f"{policy}_vs_keras"] = (
                 ms[policy] / keras_ms[f"keras_{policy}"]
             )
-    if "mixed_bfloat16_lso" in ms and "mixed_bfloat16" in ms:
-        ratios["lso_vs_plain"] = ms["mixed_bfloat16_lso"] / ms["mixed_bfloat16"]
+    for name, ratio in paired_ratios.items():
+        if name.startswith("mixed_bfloat16_lso"):
+            # The paired rounds' median ratio, plain over this one: inverted.
+            ratios[f"{name[len('mixed_bfloat16_') :]}_vs_plain"] = 1 / ratio
     d, _, layers, seq, b, _ = sizes
     note = _joined(
         note,
@@ -1032,6 +1224,8 @@ def run(args):
             "rows": rows,
             "seconds": round(seconds, 1),
         }
+        if PROFILES:
+            result["profiles"] = PROFILES
         path.write_text(json.dumps(result, indent=1, default=str))
         print(f"[{section}] {status} in {seconds:.1f} s", flush=True)
         for row in rows:
@@ -1150,6 +1344,18 @@ def table(directory):
             text += (
                 f"\n{result['backend']}: FP8 operands made by the "
                 f"{operands['path']!r} path (failed to build: {failed}).\n"
+            )
+        for name, profile in result.get("profiles", {}).items():
+            text += f"\n{result['backend']} profile of one {name} call: "
+            if "error" in profile:
+                text += f"failed ({profile['error']}).\n"
+                continue
+            top = ", ".join(
+                f"{n} {c}x {t} ms" for n, c, t in profile["top"][:6]
+            )
+            text += (
+                f"wall {profile['wall_ms']} ms, kernels {profile['device_ms']} "
+                f"ms in {profile['launches']} launches; top: {top}.\n"
             )
     (directory / "table.md").write_text(text)
     return text

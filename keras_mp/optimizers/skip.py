@@ -57,7 +57,10 @@ def update_unless_skipped(optimizer, condition, update, grads_and_vars):
         # `lax.cond`, not a select: XLA's CPU backend does not fuse a
         # select on a scalar predicate into the update's fusions, which
         # made it one more pass over all of the state (the skip cost
-        # 1.22x a plain step, against 1.06x with the cond).
+        # 1.22x a plain step, against 1.06x with the cond). A GPU gains
+        # nothing from a select either: on an H200 the select's step was
+        # 1.03x the plain step's and the cond's 1.01x (paired rounds:
+        # `benchmarks/gpu/results/h200-2026-11-27-run4`).
         def applied():
             with keras.StatelessScope(
                 state_mapping=list(zip(targets, current))
