@@ -29,6 +29,11 @@ on), this guide shows:
 4. pure bfloat16 weights with float32 master weights inside the optimizer
    (`master_weights=True`) against the same without masters, where small
    updates round away;
+5. FP8 GEMMs that keep FP8 activations for the backward
+   (`fp8.Recipe(granularity="rowwise", save_activations="fp8")`) with
+   float8 optimizer state: its final loss, and the bytes one training step
+   keeps between its forward and backward pass against mixed_bfloat16's
+   (`keras_mp.testing.saved_activation_bytes`, on JAX and PyTorch);
 
 and a bar chart (a PNG, with matplotlib) of the bytes per parameter, weights
 plus optimizer state, of each configuration. It runs on every backend:
@@ -369,6 +374,74 @@ def beta_2_pitfall():
         )
 
 
+# ## 5. FP8 GEMMs that keep FP8 activations, with float8 state
+#
+# `fp8=keras_mp.fp8.Recipe(granularity="rowwise", save_activations="fp8")`
+# runs the Dense layers' GEMMs in FP8 with a scale per row (the embeddings
+# and the output layer stay bfloat16: `fp8.Rules`) and keeps, for the
+# backward, each layer's input as the forward's E4M3 codes and row scales:
+# about half the bytes of the bfloat16 input a layer keeps otherwise. The
+# kernel gradient quantizes their values again along the tokens, as
+# DeepSeek-V3 does. With float8 optimizer state beside it, this is the
+# least memory keras_mp trains in. What one step keeps between its forward
+# and its backward pass is read from the step itself
+# (`keras_mp.testing.saved_activation_bytes`: JAX's residuals, PyTorch's
+# autograd graph; TensorFlow lists none). It pays only where nothing else
+# keeps the bfloat16 input: on PyTorch `relu` keeps its output (the next
+# layer's input) for its own backward anyway, and the query, key and value
+# layers each keep codes of the one input a bfloat16 step keeps once, so
+# here the step keeps more on PyTorch and a little less on JAX. On a CPU
+# FP8 is emulated: what this section shows is memory and loss, not speed.
+# (PyTorch's CPU multiplies FP8 values kept in float32, and so keeps
+# float32 values for the backward; the bytes below are those of FP8 codes,
+# as on a GPU.)
+
+FP8_RECIPE = keras_mp.fp8.Recipe(granularity="rowwise", save_activations="fp8")
+
+
+def fp8_demo(data, epochs, steps):
+    """Trains the model with FP8 activations and float8 state; prints the
+    bytes a step keeps against the mixed_bfloat16 model's."""
+    keras_mp.set_global_policy(
+        "mixed_bfloat16", float32_islands=RULES, fp8=FP8_RECIPE
+    )
+    model = build_model()
+    keras_mp.set_global_policy("mixed_bfloat16", float32_islands=RULES)
+    reference = build_model()
+    keras_mp.set_global_policy("float32")
+    layers = [
+        layer.name
+        for layer in model.layers
+        if getattr(layer.dtype_policy, "fp8", None) is not None
+    ]
+    print(f"FP8 layers: {', '.join(layers)} (explain_precision says why)")
+    optimizer = keras_mp.OptimizerWrapper(
+        make_adam(steps), state_dtype="float8"
+    )
+    loss, accuracy = train(model, optimizer, data, epochs)
+    print(f"final loss: {loss:.4f}")
+    if keras.backend.backend() == "tensorflow":
+        print("bytes kept for the backward: not listed on TensorFlow\n")
+        return model, loss, accuracy
+    from keras_mp.backend import fp8 as backend_fp8
+    from keras_mp.testing import saved_activation_bytes
+
+    # PyTorch's CPU keeps float32 values; a GPU keeps codes: measure those.
+    backend_fp8.SCALED_MM_ON_CPU = True
+    x, y = data[0][:BATCH_SIZE], data[1][:BATCH_SIZE]
+    step_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    kept = {
+        "mixed_bfloat16": saved_activation_bytes(reference, x, y, step_loss),
+        "FP8, fp8 activations": saved_activation_bytes(model, x, y, step_loss),
+    }
+    backend_fp8.SCALED_MM_ON_CPU = False
+    print(f"bytes one step of {BATCH_SIZE} sequences keeps for the backward:")
+    for label, nbytes in kept.items():
+        print(f"  {label:<22} {nbytes / 1024:8.1f} KiB")
+    print()
+    return model, loss, accuracy
+
+
 def plot(results, path):
     import matplotlib
 
@@ -455,6 +528,12 @@ def main(argv=None):
     record("pure bfloat16, bfloat16 state, masters", *masters)
     record("pure bfloat16, bfloat16 state", *plain)
     beta_2_pitfall()
+
+    print("## 5. FP8 activations and float8 state")
+    record(
+        "mixed_bfloat16, FP8 activations, float8 state",
+        *fp8_demo(data, epochs, steps),
+    )
 
     print("\n## Memory and final loss by configuration")
     width = max(len(label) for label in results)

@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import keras_mp
 from keras_mp import fp8
 from keras_mp.testing import block_spread_operands
 from keras_mp.testing import fp8_mlp_fit_and_reload
@@ -166,6 +167,45 @@ def test_jax_keeps_codes_and_scales_about_half_of_bfloat16(name):
 
 
 @pytest.mark.backends("torch")
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "block", "mxfp8"])
+def test_torch_keeps_codes_and_scales_about_half_of_bfloat16(name, monkeypatch):
+    """The same measure on PyTorch: the tensors the autograd graph keeps
+    (`keras_mp.testing.torch_saved_tensors`, which also reads the FP8
+    GEMM's closures), those with the input's M rows, against a bfloat16
+    matmul's saved input. Tensorwise keeps its forward codes whatever
+    `save_activations` says; the others keep the input unless told."""
+    import torch
+
+    from keras_mp.backend import fp8 as backend_fp8
+    from keras_mp.testing import torch_saved_tensors
+
+    # FP8 codes, as on a GPU (a CPU's GEMMs keep float32 values instead).
+    monkeypatch.setattr(backend_fp8, "SCALED_MM_ON_CPU", True)
+    x, w, _ = block_spread_operands(M, K, N)
+    w = torch.tensor(w, requires_grad=True)
+    x = torch.tensor(x).to(torch.bfloat16).requires_grad_(True)
+
+    def input_bytes(y):
+        saved = torch_saved_tensors(y, exclude=[w])
+        kinds = {dtype for shape, dtype, _ in saved if shape[0] == M}
+        return sum(n for shape, _, n in saved if shape[0] == M), kinds
+
+    bfloat16, bfloat16_kinds = input_bytes(x @ w.to(torch.bfloat16))
+    assert bfloat16 == M * K * 2 and bfloat16_kinds == {"bfloat16"}
+    recipes = RECIPES.get(name, {})
+    kept, kept_kinds = input_bytes(fp8.dot(x, w, fp8.Recipe(**recipes)))
+    saved, saved_kinds = input_bytes(
+        fp8.dot(x, w, fp8.Recipe(save_activations="fp8", **recipes))
+    )
+    if name == "tensorwise":
+        assert kept == saved == M * K and kept_kinds == {"float8_e4m3fn"}
+    else:
+        assert kept == bfloat16 and kept_kinds == {"bfloat16"}
+    assert "float8_e4m3fn" in saved_kinds and "bfloat16" not in saved_kinds
+    assert saved / bfloat16 <= 0.55, (saved, bfloat16)  # issue 34's target
+
+
+@pytest.mark.backends("torch")
 def test_torch_lets_the_input_go(monkeypatch):
     import gc
     import weakref
@@ -197,3 +237,48 @@ def test_fit_save_and_reload_keep_the_field(tmp_path):
     assert run["fp8"][0] == "current/rowwise/hybrid saves fp8 activations"
     assert run["restored_recipe"] == recipe
     np.testing.assert_array_equal(*run["predictions"])
+
+
+def test_saved_activation_bytes_of_a_step_halve_the_fp8_layers_inputs(
+    monkeypatch,
+):
+    """`keras_mp.testing.saved_activation_bytes` of one `fit`-like step:
+    with `save_activations="fp8"`, the rowwise FP8 layers keep
+    codes (1 byte a value, plus a scale a row) where they kept their
+    bfloat16 inputs (2 bytes): the step keeps about half a byte a value
+    less for each, the rest of its residuals unchanged. TensorFlow lists
+    no saved tensors: it says so."""
+    from keras_mp.backend import fp8 as backend_fp8
+    from keras_mp.testing import saved_activation_bytes
+
+    # FP8 codes on PyTorch too, as on a GPU.
+    monkeypatch.setattr(backend_fp8, "SCALED_MM_ON_CPU", True)
+    rows, width = 64, 128
+    x = np.random.default_rng(0).normal(size=(rows, width)).astype("float32")
+    y = np.zeros((rows,), "int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    saved = {}
+    for save in ("input", "fp8"):
+        recipe = fp8.Recipe(granularity="rowwise", save_activations=save)
+        keras_mp.set_global_policy("mixed_bfloat16", fp8=recipe)
+        try:
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential(
+                [keras.Input((width,))]
+                + [keras.layers.Dense(width) for _ in range(3)]
+                + [keras.layers.Dense(16)]
+            )
+        finally:
+            keras_mp.set_global_policy(None)
+        fp8_layers = [d for d in model.layers if d.dtype_policy.fp8]
+        # The output layer keeps bfloat16 (`fp8.Rules`).
+        assert len(fp8_layers) == 3
+        if keras.backend.backend() == "tensorflow":
+            with pytest.raises(ValueError, match="jax and torch"):
+                saved_activation_bytes(model, x, y, loss)
+            return
+        saved[save] = saved_activation_bytes(model, x, y, loss)
+    # Three FP8 layers' inputs (the first's is the batch's bfloat16 cast):
+    # 2 bytes a value before, 1 (+ a float32 scale a row) now.
+    expected = 3 * (rows * width * 2 - (rows * width + rows * 4))
+    assert saved["input"] - saved["fp8"] == expected, saved
