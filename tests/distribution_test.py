@@ -883,19 +883,54 @@ state = [
     for v in optimizer.variables
     if "hidden" in v.path or v.name in ("momentum_0", "momentum_1")
 ]
-per_device = {}
+bytes_per_device = {}
 for variable in state:
     for shard in variable.value.addressable_shards:
-        per_device[shard.device.id] = (
-            per_device.get(shard.device.id, 0) + shard.data.nbytes
+        bytes_per_device[shard.device.id] = (
+            bytes_per_device.get(shard.device.id, 0) + shard.data.nbytes
         )
 results["model_parallel_state_paths"] = sorted(v.path for v in state)
 results["model_parallel_state_bytes_per_device"] = [
-    per_device[i] for i in sorted(per_device)
+    bytes_per_device[i] for i in sorted(bytes_per_device)
 ]
 results["model_parallel_state_bytes"] = sum(
     int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in state
 )
+
+# Adam's state as float8 codes (issue 34) under ModelParallel: the codes
+# take the sharded kernel's layout, the block scales stay whole; training
+# is one device's, a NaN step is skipped on every device.
+keras_mp.set_global_policy(None)
+
+
+def float8_fit():
+    model = make_model()
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras_mp.OptimizerWrapper(
+            keras.optimizers.Adam(0.01), state_dtype="float8"
+        ),
+        loss_scale=keras_mp.DynamicLossScale(2**10),
+    )
+    model.compile(optimizer, "mean_squared_error")
+    model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    return model, optimizer
+
+
+keras.distribution.set_distribution(None)
+model, _ = float8_fit()
+save("float8_one_device", weights(model))
+keras.distribution.set_distribution(model_parallel)
+model, optimizer = float8_fit()
+save("float8_model_parallel", weights(model))
+results["float8_state_shards"] = {
+    v.path.split("hidden_", 1)[1]: [
+        [str(v.dtype)] + list(shard.data.shape)
+        for shard in v.value.addressable_shards
+    ]
+    for v in optimizer.variables
+    if "hidden_kernel_" in v.path
+}
+skip_then_apply("float8_model_parallel", model, optimizer, list(range(len(y))))
 finish()
 """
 
@@ -990,6 +1025,33 @@ def test_state_keras_mp_creates_is_sharded_like_its_model_variable(
         f"state for the sharded layer: {total} bytes, {per_device} per device"
     )
     assert per_device == [total // 2, total // 2]
+
+
+@pytest.mark.backends("jax")
+def test_float8_state_follows_a_sharded_kernel_and_trains_like_one_device(
+    jax_results,
+):
+    """`state_dtype="float8"` under ModelParallel: each moment's uint8
+    codes are sharded like the (None, "model") kernel, their float32 block
+    scales (one block of 128 here) are whole on each device; the weights
+    match one device's, and a NaN step leaves codes and scales bit for bit
+    on every device."""
+    results, arrays = jax_results
+    shards = results["float8_state_shards"]
+    for moment in ("momentum", "velocity"):
+        assert shards[f"kernel_{moment}"] == [["uint8", 4, 4]] * 2, shards
+        assert shards[f"kernel_{moment}_scale"] == [["float32", 1]] * 2
+    assert_close(
+        np.concatenate(
+            [w.ravel() for w in _group(arrays, "float8_model_parallel")]
+        ),
+        np.concatenate(
+            [w.ravel() for w in _group(arrays, "float8_one_device")]
+        ),
+    )
+    _assert_skipped_on_every_replica(
+        results, arrays, "float8_model_parallel", replicated=False
+    )
 
 
 # --------------------------------------------------------------------------
