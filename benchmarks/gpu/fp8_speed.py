@@ -11,20 +11,26 @@ script cannot rot between GPU runs. Sections:
   accumulation.
 - (b) `quantize`: GB/s of an 8192^2 bfloat16 tensor made E4M3 codes
   (amax, scale, cast), and made codes in the transposed layout too, per
-  candidate path (bytes = the bfloat16 input read once).
+  candidate path (bytes = the bfloat16 input read once): on torch also
+  the amax alone, `fp8.dot`'s operand pass alone and the Triton kernel's
+  other tiles and warps, and a check that the device's operand pass gives
+  the eager copies' codes for every bfloat16 bit pattern.
 - (c) `dot`: `keras_mp.fp8.dot` forward + backward against a bfloat16
-  matmul's, at (M, K, N) = (8192, 4096, 16384).
+  matmul's, at (M, K, N) = (8192, 4096, 16384); on torch a
+  `torch.profiler` summary of one call of each (`PROFILES`).
 - (d) `decoder`: a pre-LN GPT decoder training step (d=4096, 4 layers,
   32 heads, sequence 2048, batch 8: 16k tokens; vocabulary 8192; inputs
   on the device) under mixed_bfloat16, and FP8 current tensorwise,
   delayed tensorwise and current rowwise, with peak memory and, on
   torch, host syncs per step (`count_host_syncs`, and on CUDA the
   synchronizing calls PyTorch's sync debug mode reports: a blocking copy
-  from the host too).
+  from the host too) and a profile of one step of each variant.
 - (e) `policies`: the same decoder at d=1024 (2 layers) in float32,
   mixed_bfloat16 and mixed_float16, with Keras alone (timed before
-  keras_mp is imported) and with keras_mp; mixed_bfloat16 with
-  `keras_mp.LossScaleOptimizer` against the plain optimizer; on torch,
+  keras_mp is imported) and with keras_mp, the keras_mp variants in
+  paired rounds; mixed_bfloat16 with `keras_mp.LossScaleOptimizer`
+  against the plain optimizer (on torch also `skip_on_device=True`); on
+  torch,
   host syncs per step (`keras_mp.testing.count_host_syncs`; Keras's
   `train_on_batch` reads its loss, so 1 is the floor).
 - (f) `hlo` (JAX only): the compiled FP8 decoder step's optimized HLO:
