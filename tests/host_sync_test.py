@@ -142,6 +142,27 @@ def test_count_host_syncs_sees_each_way_a_tensor_reaches_the_host():
     assert sum(counts.values()) == 4, dict(counts)
 
 
+@pytest.mark.backends("torch")
+def test_a_host_copy_then_its_numpy_read_count_once(monkeypatch):
+    """Keras's PyTorch `convert_to_numpy` of a device tensor calls `cpu()`,
+    then `np.array` on the copy: one sync, which the H100's runs counted
+    twice (a plain step read 2, Keras's loss read alone). A copy is
+    simulated here (a CPU's `cpu()` returns the tensor itself, whose later
+    reads still count)."""
+    import torch
+
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self: self.clone())
+    x = torch.ones(3)
+    with count_host_syncs() as counts:
+        np.array(x.cpu())  # a device tensor's read: one sync
+        np.asarray(x)  # the tensor itself read again: a second
+    assert sum(counts.values()) == 2, dict(counts)
+    monkeypatch.undo()
+    with count_host_syncs() as counts:
+        np.array(x.cpu())  # the CPU's own `cpu()`: x itself, read once more
+    assert sum(counts.values()) == 2, dict(counts)
+
+
 def _mlp(policy, fp8, widths, optimizer):
     """A 64-input MLP of Dense layers of `widths` (the first with relu),
     built and compiled (MSE) under `set_global_policy(policy, fp8=fp8)`."""

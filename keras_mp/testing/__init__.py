@@ -13,6 +13,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import weakref
 
 import numpy as np
 
@@ -384,8 +385,13 @@ def count_host_syncs():
         for name in ("asarray", "array")
     ]
     # A conversion that goes through several counted entry points (NumPy,
-    # then the tensor's own method) counts once.
+    # then the tensor's own method) counts once; so does a copy to the host
+    # that is then read: Keras's PyTorch `convert_to_numpy` calls `cpu()`
+    # on a device tensor, then `np.array` on the copy it returned, one sync
+    # (a CPU's `cpu()` returns the tensor itself, and its next read counts).
     depth = threading.local()
+    # id -> weak reference of each host copy a counted `cpu()` made.
+    fetched = {}
     mode = (
         _torch_scalar_read_counter(counts, depth)
         if backend == "torch"
@@ -394,16 +400,23 @@ def count_host_syncs():
 
     def counted(original, label, only_tensors, self, args, kwargs):
         outermost = not getattr(depth, "value", 0)
-        if outermost and (
-            not only_tensors
-            or isinstance(self, (*tensor_types, keras.Variable))
+        if (
+            outermost
+            and (
+                not only_tensors
+                or isinstance(self, (*tensor_types, keras.Variable))
+            )
+            and not _in(self, fetched)
         ):
             counts[label] += 1
         depth.value = getattr(depth, "value", 0) + 1
         try:
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
         finally:
             depth.value -= 1
+        if outermost and label == "cpu" and result is not self:
+            fetched[id(result)] = weakref.ref(result)
+        return result
 
     def counting(original, label, only_tensors):
         if isinstance(original, property):
@@ -639,6 +652,13 @@ def count_host_copies():
     finally:
         for name, original in originals.items():
             setattr(torch, name, original)
+
+
+def _in(value, fetched):
+    """Whether `value` is one of the host copies in `fetched` (by identity:
+    tensors compare element by element, and some cannot be hashed)."""
+    reference = fetched.get(id(value))
+    return reference is not None and reference() is value
 
 
 def _torch_scalar_read_counter(counts, depth):
