@@ -545,13 +545,12 @@ def reads_16bit(x):
     """Whether the FP8 codes of 2-D bfloat16 or float16 `x` are made from
     `x` as it is, without a float32 cast first: PyTorch's codes
     (`has_layouts`), whose amax (`amax`) and casts
-    (`torch_fp8_operands.encode`) read 16-bit values and make each one
-    float32 inside their pass."""
-    return has_layouts(x) and keras.backend.standardize_dtype(x.dtype) in (
-        "bfloat16",
-        "float16",
-        "float32",
-    )
+    (`torch_fp8_operands.encode`, of any of its `SOURCE_DTYPES`) read
+    16-bit values and make each one float32 inside their pass."""
+    from keras_mp.backend import torch_fp8_operands
+
+    dtype = keras.backend.standardize_dtype(x.dtype)
+    return has_layouts(x) and dtype in torch_fp8_operands.SOURCE_DTYPES
 
 
 def torch_gemm_operands(x, scale, fmt, layouts):
