@@ -776,8 +776,8 @@ def step_syncs(model, batch):
     return syncs if cuda is None else f"{syncs} counted, {cuda} CUDA"
 
 
-# Where one profiled decoder step of each variant goes ({variant: what
-# `profile_step` gave}): into the JSON beside the sections and the log.
+# Where the profiled calls go ({"<section> <variant>": what
+# `profile_call` gave}): into the JSON beside the sections and the log.
 PROFILES = {}
 
 
@@ -1032,7 +1032,7 @@ def policies_keras_alone(clock, smoke):
 def section_policies(clock, smoke, keras_ms):
     sizes = SIZES["policies"][smoke]
     batch = device_batch(sizes)
-    ms, syncs = {}, {}
+    syncs = {}
     policies = POLICIES[:1] if smoke else POLICIES
     variants = [(p, p, False) for p in policies]
     variants.insert(1, ("mixed_bfloat16_lso", "mixed_bfloat16", True))
@@ -1058,7 +1058,9 @@ def section_policies(clock, smoke, keras_ms):
         name: functools.partial(model.train_on_batch, *batch)
         for name, model in models.items()
     }
-    ms, paired_ratios, dropped = paired(functions, clock, smoke)
+    # Out of time before the first build: Keras alone's times stay.
+    timed = paired(functions, clock, smoke) if functions else ({}, {}, {})
+    ms, paired_ratios, dropped = timed
     note = _joined(note, dropped_note(dropped))
     for name, model in models.items():
         if name in ms:
