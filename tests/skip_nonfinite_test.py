@@ -153,6 +153,40 @@ def test_a_fixed_scale_skips_only_when_asked():
     assert int(to_numpy(skipping.consecutive_skips)) == 0
 
 
+def test_an_applied_step_resets_a_count_written_between_steps():
+    """An applied step sets the count to 0 unless it is held at the limit.
+    PyTorch's host-decided step leaves out that update where nothing wrote
+    the count since its last one (the update is idempotent); a count
+    written between steps (`assign`, a checkpoint's load) is still reset."""
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), 1, skip_nonfinite=True
+    )
+    variable = keras.Variable(np.ones((3,), "float32"))
+    finite = [keras.ops.ones((3,))]
+
+    def count_after_step():
+        optimizer.apply(finite, [variable])
+        return int(to_numpy(optimizer.consecutive_skips))
+
+    assert count_after_step() == 0
+    assert count_after_step() == 0
+    optimizer.consecutive_skips.assign(1)
+    assert count_after_step() == 0
+    optimizer.consecutive_skips.assign(1)
+    optimizer.consecutive_skips.assign(1)
+    assert count_after_step() == 0
+    # Held at the limit (2) until the user assigns 0.
+    optimizer.consecutive_skips.assign(2)
+    assert count_after_step() == 2
+    assert count_after_step() == 2
+    optimizer.consecutive_skips.assign(0)
+    assert count_after_step() == 0
+    optimizer.apply([keras.ops.full((3,), float("nan"))], [variable])
+    assert int(to_numpy(optimizer.consecutive_skips)) == 1
+    assert count_after_step() == 0
+    np.testing.assert_allclose(to_numpy(variable), np.full((3,), 0.2), 1e-6)
+
+
 def test_skipped_steps_in_a_row_stop_fit_naming_the_layers():
     keras_mp.set_global_policy("mixed_bfloat16", skip_nonfinite=True)
     model = _model()

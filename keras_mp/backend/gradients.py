@@ -280,7 +280,8 @@ def unscale_and_check_finite(grads, variables, factor, unscale):
     Args:
         grads: A list of gradients; None entries pass through.
         variables: Their Keras variables, one per gradient.
-        factor: A float32 scalar tensor, the reciprocal of the loss scale.
+        factor: A float32 scalar tensor, the reciprocal of the loss scale,
+            or None where `unscale` is False for every gradient.
         unscale: One bool per gradient: whether it is multiplied by
             `factor` (else only checked, as a variable that overwrites
             itself with its gradient is).
@@ -310,11 +311,12 @@ def unscale_and_check_finite(grads, variables, factor, unscale):
                 tensors[k] = copy
         if device not in found_inf:
             found_inf[device] = torch.zeros(1, device=device)
-        inverse = factor if scaled else torch.ones((), device=device)
+        if scaled:
+            inverse = factor.to(device=device, dtype=torch.float32).reshape(1)
+        else:
+            inverse = _torch_one(device)
         torch._amp_foreach_non_finite_check_and_unscale_(
-            tensors,
-            found_inf[device],
-            inverse.to(device=device, dtype=torch.float32).reshape(1),
+            tensors, found_inf[device], inverse
         )
         for i, tensor in zip(indices, tensors):
             result[i] = tensor
@@ -325,6 +327,20 @@ def unscale_and_check_finite(grads, variables, factor, unscale):
     for flag in flags[1:]:
         total = total + flag.to(total.device)
     return result, total.reshape(()) == 0
+
+
+# device -> the float32 tensor [1.0] the check multiplies by where it
+# only checks (made once: a new one each step cost an allocation).
+_TORCH_ONES = {}
+
+
+def _torch_one(device):
+    one = _TORCH_ONES.get(device)
+    if one is None:
+        import torch
+
+        one = _TORCH_ONES[device] = torch.ones(1, device=device)
+    return one
 
 
 def _is_grad_attribute(grad, variable):

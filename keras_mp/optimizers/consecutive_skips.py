@@ -26,6 +26,7 @@ would.
 """
 
 import numbers
+import weakref
 
 from keras import ops
 
@@ -77,6 +78,9 @@ class ConsecutiveSkipsMixin:
     _checks_skips_in_step = False
     # Whether the last step decided on the host was skipped.
     _skipped_on_host = False
+    # A weak reference to the count's tensor, and its version, after the
+    # last applied step's update on the host (`_count_on_host`).
+    _settled_count_stamp = None
 
     def checks_skips_in_step(self):
         """Whether a step can check `max_consecutive_skips` itself, for
@@ -141,7 +145,8 @@ class ConsecutiveSkipsMixin:
     def _count_on_host(self, skipped):
         """The count after a step decided on the host: one more (held at
         the limit) after a skipped step, 0 after an applied one unless
-        held. One small update, no read."""
+        held. One small update, no read; none after an applied step where
+        nothing wrote the count since the last one."""
         if not self._counts_on_host():
             return
         count = self._consecutive_skips.value
@@ -149,10 +154,23 @@ class ConsecutiveSkipsMixin:
         if skipped:
             self._consecutive_skips.assign(ops.minimum(count + 1, limit))
             self._skipped_on_host = True
-        else:
-            self._consecutive_skips.assign(
-                ops.where(count >= limit, count, ops.zeros_like(count))
-            )
+            return
+        # An applied step's update (0, or the count held at the limit) is
+        # idempotent: where the tensor is the one it last wrote, unchanged
+        # since (torch's version counter counts every in-place write:
+        # `assign`, a checkpoint's load), it would write the same value.
+        settled = self._settled_count_stamp
+        if (
+            settled is not None
+            and settled[0]() is count
+            and count._version == settled[1]
+        ):
+            return
+        self._consecutive_skips.assign(
+            ops.where(count >= limit, count, ops.zeros_like(count))
+        )
+        count = self._consecutive_skips.value
+        self._settled_count_stamp = (weakref.ref(count), count._version)
 
     def _step_counters(self):
         """`(skipped, applied)` so far, as int32 tensors, or None (no

@@ -46,9 +46,13 @@ class HostSkipMixin:
     def _unscale_and_check(self, grads_and_vars):
         """The step's gradients unscaled in one fused pass, and whether all
         are finite in every process: `(grads_and_vars, is_finite)`."""
+        import torch
+
         # Gradients may come as NumPy arrays; torch tensors pass as they are.
         grads = [
-            None if g is None else ops.convert_to_tensor(g)
+            g
+            if g is None or isinstance(g, torch.Tensor)
+            else ops.convert_to_tensor(g)
             for g, _ in grads_and_vars
         ]
         variables = [v for _, v in grads_and_vars]
@@ -58,8 +62,11 @@ class HostSkipMixin:
             self._unscale_in_step and not overwrites_with_gradient(v)
             for v in variables
         ]
+        # The reciprocal only where a gradient is multiplied by it (a scale
+        # of 1, `skip_nonfinite` alone, multiplies none).
+        factor = self._reciprocal_scale() if any(unscale) else None
         grads, is_finite = backend_gradients.unscale_and_check_finite(
-            grads, variables, self._reciprocal_scale(), unscale
+            grads, variables, factor, unscale
         )
         # Unscaled now: `transform_gradients`, and every override of it,
         # receives them so.
