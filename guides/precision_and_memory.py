@@ -33,7 +33,7 @@ on), this guide shows:
    (`fp8.Recipe(granularity="rowwise", save_activations="fp8")`) with
    float8 optimizer state: its final loss, and the bytes one training step
    keeps between its forward and backward pass against mixed_bfloat16's
-   (`keras_mp.testing.saved_activation_bytes`, on JAX and PyTorch);
+   (`keras_mp.testing.saved_activation_bytes`);
 
 and a bar chart (a PNG, with matplotlib) of the bytes per parameter, weights
 plus optimizer state, of each configuration. It runs on every backend:
@@ -386,11 +386,13 @@ def beta_2_pitfall():
 # least memory keras_mp trains in. What one step keeps between its forward
 # and its backward pass is read from the step itself
 # (`keras_mp.testing.saved_activation_bytes`: JAX's residuals, PyTorch's
-# autograd graph; TensorFlow lists none). It pays only where nothing else
+# autograd graph, the forward tensors TensorFlow's traced gradient reads).
+# It pays only where nothing else
 # keeps the bfloat16 input: on PyTorch `relu` keeps its output (the next
 # layer's input) for its own backward anyway, and the query, key and value
 # layers each keep codes of the one input a bfloat16 step keeps once, so
-# here the step keeps more on PyTorch and a little less on JAX. On a CPU
+# here the step keeps more on PyTorch, a little less on JAX and about a
+# sixth less on TensorFlow. On a CPU
 # FP8 is emulated: what this section shows is memory and loss, not speed.
 # (PyTorch's CPU multiplies FP8 values kept in float32, and so keeps
 # float32 values for the backward; the bytes below are those of FP8 codes,
@@ -420,9 +422,6 @@ def fp8_demo(data, epochs, steps):
     )
     loss, accuracy = train(model, optimizer, data, epochs)
     print(f"final loss: {loss:.4f}")
-    if keras.backend.backend() == "tensorflow":
-        print("bytes kept for the backward: not listed on TensorFlow\n")
-        return model, loss, accuracy
     from keras_mp.backend import fp8 as backend_fp8
     from keras_mp.testing import saved_activation_bytes
 

@@ -35,6 +35,7 @@ __all__ = [
     "run_script",
     "saved_activation_bytes",
     "script_backend",
+    "tf_saved_tensors",
     "tolerance",
     "to_numpy",
     "torch_saved_tensors",
@@ -448,8 +449,9 @@ def saved_activation_bytes(model, x, y, loss):
     Read from the step itself: on JAX the residuals of the loss's
     gradient with respect to the trainable variables (`saved_residuals`);
     on PyTorch the tensors the autograd graph keeps (`torch_saved_tensors`,
-    which also reads keras_mp's FP8 closures). TensorFlow lists no saved
-    tensors of a `GradientTape`: it raises there.
+    which also reads keras_mp's FP8 closures); on TensorFlow, whose
+    `GradientTape` lists none, the forward tensors that the gradient's ops
+    read in the traced step (`tf_saved_tensors`).
 
     Args:
         model: A built Keras model.
@@ -490,13 +492,73 @@ def saved_activation_bytes(model, x, y, loss):
         weights = [keras.ops.convert_to_tensor(v) for v in model.variables]
         saved = torch_saved_tensors(value, exclude=[*weights, x, y])
         return sum(nbytes for _, _, nbytes in saved)
-    raise ValueError(
-        "saved_activation_bytes reads what a step keeps for its backward "
-        "on the jax and torch backends (JAX's residuals, PyTorch's autograd "
-        "graph); TensorFlow's GradientTape lists no saved tensors. "
-        f"Received: backend={backend!r}. Run it under KERAS_BACKEND=jax or "
-        "torch."
-    )
+    saved = tf_saved_tensors(model, x, y, loss)
+    return sum(nbytes for _, _, _, nbytes in saved)
+
+
+def tf_saved_tensors(model, x, y, loss):
+    """The tensors one TensorFlow training step of `model` keeps for its
+    backward: in the step traced as a `tf.function` (a `GradientTape` of
+    the loss, then its gradient with respect to the trainable variables),
+    every tensor made by the forward's ops that an op of the gradient
+    reads, each once. The weights' reads, the batch and constants are left
+    out, as JAX's and PyTorch's measures leave them out. TensorFlow's
+    executor keeps a tensor until the last op that reads it has run, so
+    these are what the step holds between its forward and its backward
+    (before Grappler's rewrites).
+
+    Args:
+        model: A built Keras model.
+        x: A batch of inputs.
+        y: Its targets.
+        loss: A Keras loss (callable as `loss(y, y_pred)`).
+
+    Returns:
+        A list of `(name, shape, dtype name, bytes)`, one per tensor.
+    """
+    import tensorflow as tf
+
+    marks = {}
+    x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x, training=True))
+        graph = tf.compat.v1.get_default_graph()
+        marks["forward"] = len(graph.get_operations())
+        return tape.gradient(value, model.trainable_variables)
+
+    operations = tf.function(step).get_concrete_function(x, y).graph
+    operations = operations.get_operations()
+    forward = set(operations[: marks["forward"]])
+    left_out = ("ReadVariableOp", "Placeholder", "Const", "VarHandleOp")
+    saved = {}
+    for operation in operations[marks["forward"] :]:
+        for tensor in operation.inputs:
+            if tensor.op not in forward or tensor.dtype in (
+                tf.resource,
+                tf.variant,
+            ):
+                continue
+            source = tensor
+            while source.op.type == "Identity":
+                source = source.op.inputs[0]
+            if source.op.type not in left_out:
+                saved[tensor.name] = tensor
+    result = []
+    for name, tensor in saved.items():
+        count = tensor.shape.num_elements()
+        if count is None:
+            raise ValueError(
+                f"tf_saved_tensors needs static shapes; {name} has shape "
+                f"{tensor.shape}. Received: x of shape {tuple(x.shape)}. "
+                "Pass a batch of a fixed shape (NumPy or a tensor)."
+            )
+        shape = tuple(tensor.shape.as_list())
+        result.append(
+            (name, shape, tensor.dtype.name, count * tensor.dtype.size)
+        )
+    return result
 
 
 def torch_saved_tensors(output, exclude=()):
