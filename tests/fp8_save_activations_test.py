@@ -239,6 +239,31 @@ def test_fit_save_and_reload_keep_the_field(tmp_path):
     np.testing.assert_array_equal(*run["predictions"])
 
 
+@pytest.mark.backends("tensorflow")
+def test_tensorflow_lists_the_forward_tensors_its_gradient_reads():
+    """`tf_saved_tensors` of a float32 MLP's step: the relu's output, which
+    its own gradient and the next layer's kernel gradient both read,
+    counted once; the loss's softmax for its gradient; scalars of the
+    loss; never the weights or the batch."""
+    from keras_mp.testing import tf_saved_tensors
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(4),
+        ]
+    )
+    x = np.zeros((16, 8), "float32")
+    y = np.zeros((16,), "int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    saved = tf_saved_tensors(model, x, y, loss)
+    tensors = sorted((shape, dtype) for _, shape, dtype, _ in saved if shape)
+    assert tensors == [((16, 4), "float32"), ((16, 32), "float32")], saved
+    assert all(n == 4 for _, shape, _, n in saved if not shape), saved
+
+
 def test_saved_activation_bytes_of_a_step_halve_the_fp8_layers_inputs(
     monkeypatch,
 ):

@@ -528,8 +528,8 @@ def tf_saved_tensors(model, x, y, loss):
         marks["forward"] = len(graph.get_operations())
         return tape.gradient(value, model.trainable_variables)
 
-    operations = tf.function(step).get_concrete_function(x, y).graph
-    operations = operations.get_operations()
+    graph = tf.function(step).get_concrete_function(x, y).graph
+    operations = graph.get_operations()
     forward = set(operations[: marks["forward"]])
     left_out = ("ReadVariableOp", "Placeholder", "Const", "VarHandleOp")
     saved = {}
@@ -540,11 +540,12 @@ def tf_saved_tensors(model, x, y, loss):
                 tf.variant,
             ):
                 continue
+            # An identity's output is its input's buffer: counted once.
             source = tensor
             while source.op.type == "Identity":
                 source = source.op.inputs[0]
             if source.op.type not in left_out:
-                saved[tensor.name] = tensor
+                saved[source.name] = source
     result = []
     for name, tensor in saved.items():
         count = tensor.shape.num_elements()
