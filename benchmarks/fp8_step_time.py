@@ -18,12 +18,12 @@ Every model is compiled and warmed up first; then, in each repeat, every
 variant runs `fit` for `--steps` steps, the order rotating between repeats
 so that machine load drifts evenly over them. The table shows each
 variant's median ms/step and its ratio to mixed_bfloat16 and to
-keras_float8 (below 1 is faster): the median over repeats of the two
-variants' times in the same repeat, so that the machine's drift between
-repeats cancels. On a CPU every FP8 variant is emulation (FP8 values
-multiplied in float32 or bfloat16): these ratios measure the cost of the
-quantization around the GEMMs, not FP8 GEMM speed, which needs a GPU with
-FP8 tensor cores.
+keras_float8 (below 1 is faster), and delayed scaling's to current
+scaling's: the median over repeats of the two variants' times in the same
+repeat, so that the machine's drift between repeats cancels. On a CPU every
+FP8 variant is emulation (FP8 values multiplied in float32 or bfloat16):
+these ratios measure the cost of the quantization around the GEMMs, not FP8
+GEMM speed, which needs a GPU with FP8 tensor cores.
 
     python benchmarks/fp8_step_time.py
     KERAS_BACKEND=jax python benchmarks/fp8_step_time.py --repeats 7
@@ -230,6 +230,10 @@ def format_table(args, step_times):
         ratio = paired_ratio(step_times, variant, "keras_float8")
         if ratio is not None:
             lines.append(f"{variant}/keras_float8 = {ratio:.3f}")
+    delayed, current = "fp8_delayed_tensorwise", "fp8_current_tensorwise"
+    ratio = paired_ratio(step_times, delayed, current)
+    if ratio is not None:
+        lines.append(f"{delayed}/{current} = {ratio:.3f} (paired)")
     return "\n".join(lines)
 
 

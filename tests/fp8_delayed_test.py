@@ -546,3 +546,88 @@ def test_under_keras_loss_scale_optimizer_the_history_stays_loss_scaled():
     free, scaled = histories
     np.testing.assert_array_equal(scaled[:2], free[:2])
     np.testing.assert_array_equal(scaled[2], free[2] * 2.0**10)
+
+
+def _torch_delayed_run(recipes, torch_ops, monkeypatch):
+    """Every variable after six `fit` steps of delayed layers (one called
+    twice) under a dynamic loss scale, one step's output gradient inf (a
+    skip), with PyTorch's own ops for the delayed bookkeeping or with
+    `keras.ops`."""
+    from keras_mp.backend import fp8 as backend_fp8
+
+    monkeypatch.setattr(backend_fp8, "TORCH_BIT_OPS", torch_ops)
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((FEATURES,))
+    twice = keras.layers.Dense(
+        FEATURES,
+        use_bias=False,
+        dtype=keras_mp.Policy("float16", fp8=recipes[0]),
+        name="twice",
+    )
+    hidden = twice(twice(inputs))
+    outputs = [
+        keras.layers.Dense(
+            UNITS, dtype=keras_mp.Policy("float16", fp8=recipe), name=f"d{i}"
+        )(hidden)
+        for i, recipe in enumerate(recipes[1:])
+    ]
+    model = keras.Model(inputs, keras.layers.Concatenate()(outputs))
+    model.compile(
+        keras_mp.LossScaleOptimizer(
+            keras.optimizers.Adam(1e-3),
+            keras_mp.DynamicLossScale(
+                initial_loss_scale=2.0**10, increment_period=2
+            ),
+        ),
+        loss=_linear_loss,
+    )
+    rng = np.random.default_rng(8)
+    for step in range(6):
+        x, c = _step_data(step, len(recipes) - 1, rng)
+        if step == 3:
+            c[0, 0] = np.inf
+        model.train_on_batch(x, c)
+    assert int(to_numpy(model.optimizer.skipped_steps)) >= 1
+    return {v.path: to_numpy(v) for v in model.variables}
+
+
+@pytest.mark.backends("torch")
+def test_torchs_own_delayed_bookkeeping_gives_the_bits_of_keras_ops(
+    monkeypatch,
+):
+    """On PyTorch the fold, the scales, the carrier's gradient and the
+    loss scale written into it run in torch's own operations (an eager
+    step's `keras.ops` calls cost host time each): every weight, history,
+    count, scale and carrier of a run is bit-identical to the
+    `keras.ops` run's, through repeated calls, a skipped step, a dynamic
+    loss scale, both amax algorithms and statistics with counts."""
+    from keras_mp.backend import torch_delayed
+
+    recipes = [
+        fp8.Recipe(scaling="delayed", amax_history=4),
+        fp8.Recipe(scaling="delayed", amax_history=3, amax_algo="most_recent"),
+        fp8.Recipe(scaling="delayed", amax_history=5, stats=True, margin=1),
+    ]
+    calls = []
+    for name in ("fold", "carrier_gradient_of_amaxes", "with_loss_scale"):
+        own = getattr(torch_delayed, name)
+
+        def counting(*args, own=own, name=name):
+            calls.append(name)
+            return own(*args)
+
+        monkeypatch.setattr(torch_delayed, name, counting)
+    fast = _torch_delayed_run(recipes, True, monkeypatch)
+    assert {"fold", "carrier_gradient_of_amaxes", "with_loss_scale"} <= set(
+        calls
+    )
+    calls.clear()
+    generic = _torch_delayed_run(recipes, False, monkeypatch)
+    assert not calls
+    assert fast.keys() == generic.keys()
+    for path, value in fast.items():
+        np.testing.assert_array_equal(
+            np.atleast_1d(value).view(np.uint8),
+            np.atleast_1d(generic[path]).view(np.uint8),
+            path,
+        )

@@ -202,6 +202,27 @@ def reshape(x, shape):
     return keras.ops.reshape(x, shape)
 
 
+def max_over_last_axis(x):
+    """`keras.ops.max(x, axis=-1)`; of a torch tensor torch's own `amax`
+    (see `reshape`)."""
+    if keras.backend.backend() == "torch":
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            return x.amax(-1)
+    return keras.ops.max(x, axis=-1)
+
+
+def stack(values):
+    """`keras.ops.stack` along a new first axis; on PyTorch torch's own
+    (see `reshape`)."""
+    if keras.backend.backend() == "torch":
+        import torch
+
+        return torch.stack(list(values))
+    return keras.ops.stack(values)
+
+
 def cast(x, dtype):
     """`keras.ops.cast`; on PyTorch the tensor's own `to` (see
     `reshape`), nothing where `x` has that dtype already."""

@@ -43,6 +43,7 @@ from keras import ops
 
 from keras_mp._keras_internals import constant
 from keras_mp.backend import fp8 as backend_fp8
+from keras_mp.backend import torch_delayed
 from keras_mp.fp8 import stats as stats_module
 from keras_mp.fp8.codes import scale_from_amax
 
@@ -100,6 +101,15 @@ def fold(history, folds, carrier):
         is finite is shifted by one and starts with it, and `folds` is one
         more.
     """
+    if backend_fp8.has_torch_bit_ops(history):
+        return torch_delayed.fold(
+            history,
+            folds,
+            carrier,
+            PARITY,
+            stats_module.HISTOGRAM_BINS,
+            stats_module.FINITE_BINS,
+        )
     parity = ops.mod(folds, constant(2, "int32"))
     marks = carrier[0, PARITY : PARITY + 2]
     fresh = ops.take(marks, parity) > 0
@@ -117,7 +127,7 @@ def fold(history, folds, carrier):
 def history_scales(history, recipe):
     """The delayed scales of the three tensors from `history` (3, H)."""
     if recipe.amax_algo == "max":
-        amax = ops.max(history, axis=1)
+        amax = backend_fp8.max_over_last_axis(history)
     else:
         amax = history[:, 0]
     formats = (recipe.forward_format,) * 2 + (recipe.backward_format,)
@@ -133,6 +143,13 @@ def carrier_loss_scale(carrier):
 
 def scaling(history, folds, carrier, recipe):
     """The `Scaling` of a call, from the (folded) state and the carrier."""
+    if backend_fp8.has_torch_bit_ops(history):
+        return Scaling(
+            scales=history_scales(history, recipe),
+            first=folds == 0,
+            parity=torch_delayed.parity(folds),
+            loss_scale=torch_delayed.carrier_loss_scale(carrier, LOSS_SCALE),
+        )
     parity = backend_fp8.one_hot(ops.mod(folds, constant(2, "int32")), 2)
     return Scaling(
         scales=history_scales(history, recipe),
@@ -145,6 +162,8 @@ def scaling(history, folds, carrier, recipe):
 def pack(scaling):
     """`scaling` as one float32 vector (7,), an input a custom gradient
     can take (JAX's must not close over values of the step)."""
+    if backend_fp8.has_torch_bit_ops(scaling.scales):
+        return torch_delayed.pack(*scaling)
     return ops.concatenate(
         [
             scaling.scales,
@@ -165,36 +184,37 @@ def unpack(packed):
     )
 
 
-def pick(scaling, indices, currents, branch=True):
-    """The scales of tensors `indices` (0 input, 1 kernel, 2 output
-    gradient): the current ones on the first step, the delayed ones after
-    (times the loss scale for the output gradient), as scalars.
-
-    Args:
-        scaling: The call's `Scaling`.
-        indices: A tuple of 0, 1 or 2.
-        currents: Functions giving the current scales (any size-1 shape),
-            one per index.
-        branch: Whether to compute them only on the first step (one
-            `ops.cond` for all of them: a later step's scales then depend
-            on the stored scales alone), or on every step and select
-            (`ops.where`: for PyTorch, where a branch reads the flag on the
-            host).
-
-    Returns:
-        A tuple of float32 scalars, one per index.
-    """
+def _delayed_scales(scaling, indices):
+    """The delayed scales of tensors `indices`, the output gradient's
+    times the loss scale, as scalars."""
     delayed = []
     for index in indices:
         scale = scaling.scales[index]
         if index == 2:
             scale = scale * scaling.loss_scale
         delayed.append(scale)
-    if not branch:
-        return tuple(
-            ops.reshape(ops.where(scaling.first, current(), scale), ())
-            for current, scale in zip(currents, delayed)
-        )
+    return delayed
+
+
+def pick(scaling, indices, currents):
+    """The scales of tensors `indices` (0 input, 1 kernel, 2 output
+    gradient): the current ones on the first step, the delayed ones after
+    (times the loss scale for the output gradient), as scalars. The
+    current scales are computed only on the first step: one `ops.cond`
+    for all of them, so a later step's scales depend on the stored scales
+    alone (a compiled step's; PyTorch's eager step would read the flag on
+    the host for the branch, and uses `select`).
+
+    Args:
+        scaling: The call's `Scaling`.
+        indices: A tuple of 0, 1 or 2.
+        currents: Functions giving the current scales (any size-1 shape),
+            one per index.
+
+    Returns:
+        A tuple of float32 scalars, one per index.
+    """
+    delayed = _delayed_scales(scaling, indices)
     return tuple(
         ops.cond(
             scaling.first,
@@ -204,15 +224,55 @@ def pick(scaling, indices, currents, branch=True):
     )
 
 
+def select(scaling, indices, currents):
+    """`pick` without a branch: `currents`, the float32 current scales of
+    tensors `indices` in one vector, on the first step, else the delayed
+    ones, as one vector (an eager step computes every scale and selects,
+    where a branch would read the flag on the host)."""
+    if backend_fp8.has_torch_bit_ops(currents):
+        return torch_delayed.select(
+            scaling.first,
+            currents,
+            scaling.scales,
+            scaling.loss_scale,
+            tuple(indices),
+        )
+    delayed = ops.stack(_delayed_scales(scaling, indices))
+    return ops.where(scaling.first, currents, delayed)
+
+
 def carrier_gradient(statistics, scaling):
     """The carrier's gradient: the statistics rows, the parity, and 0 for
     the loss scale (the optimizer writes it)."""
+    if backend_fp8.has_torch_bit_ops(statistics):
+        return torch_delayed.carrier_gradient(statistics, scaling.parity)
     rows = ops.shape(statistics)[0]
     extra = ops.concatenate(
         [scaling.parity, ops.zeros((1,), "float32")], axis=0
     )
     extra = ops.broadcast_to(ops.expand_dims(extra, 0), (rows, 3))
     return ops.concatenate([statistics, extra], axis=1)
+
+
+def carrier_gradient_of_amaxes(amaxes, sizes, scaling):
+    """`carrier_gradient` of statistics rows without counts, made from
+    the three tensors' amaxes and sizes at once: PyTorch's (a handful of
+    eager ops where each row took a dozen; `keras_mp.fp8.dot` calls it
+    where `has_torch_bit_ops`).
+
+    Args:
+        amaxes: The float32 amaxes of the input, the kernel and the output
+            gradient (any size-1 shapes).
+        sizes: Their numbers of values, Python floats.
+        scaling: The call's `Scaling`.
+    """
+    return torch_delayed.carrier_gradient_of_amaxes(
+        amaxes,
+        constant(tuple(sizes), "float32"),
+        scaling.parity,
+        stats_module.HISTOGRAM_BINS,
+        stats_module.MANTISSA_ABOVE_1_75,
+    )
 
 
 def is_carrier(variable):
@@ -224,6 +284,9 @@ def is_carrier(variable):
 
 def with_loss_scale(carrier, loss_scale):
     """`carrier` with the loss scale of the next step written in."""
+    carrier = backend_fp8.read_tensor(carrier)
+    if backend_fp8.has_torch_bit_ops(carrier):
+        return torch_delayed.with_loss_scale(carrier, loss_scale, LOSS_SCALE)
     column = ops.ones((CARRIER_SHAPE[0], 1), "float32") * ops.cast(
         ops.reshape(loss_scale, ()), "float32"
     )

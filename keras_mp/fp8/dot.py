@@ -15,6 +15,8 @@ the statistics of the quantizations as the carrier's gradient.
 Imports only `keras_mp.backend` and its `keras_mp.fp8` siblings.
 """
 
+import math
+
 import keras
 from keras import ops
 
@@ -216,22 +218,39 @@ def _delayed_dot(x, kernel, carrier, scaling, forward, recipe):
         fp8_backend.read_tensor(carrier), delayed_module.CARRIER_SHAPE
     )
     packed = delayed_module.pack(scaling)
+    # PyTorch makes the three rows of the carrier's gradient at once from
+    # the amaxes (an eager step's ops cost host time each).
+    from_amaxes = not recipe.stats and fp8_backend.has_torch_bit_ops(packed)
 
     @fp8_backend.custom_gradient
     def fp8_dot_delayed(x, kernel, carrier, packed):
-        rows = quantizers.Rows(counts=recipe.stats)
+        rows = quantizers.Rows(counts=recipe.stats, from_amaxes=from_amaxes)
         scaling = delayed_module.unpack(packed)
         out, backward = forward(x, kernel, rows, scaling)
+        sizes = _operand_sizes(x, kernel) if from_amaxes else None
 
         def grad(*args, upstream=None):
             dx, dw = backward(args, upstream)
-            statistics = ops.stack([rows[t] for t in stats_module.TENSORS])
-            carrier = delayed_module.carrier_gradient(statistics, scaling)
+            if from_amaxes:
+                carrier = delayed_module.carrier_gradient_of_amaxes(
+                    [rows.amaxes[i] for i in range(3)], sizes, scaling
+                )
+            else:
+                statistics = ops.stack([rows[t] for t in stats_module.TENSORS])
+                carrier = delayed_module.carrier_gradient(statistics, scaling)
             return dx, dw, _across_replicas(carrier), ops.zeros_like(packed)
 
         return out, grad
 
     return fp8_dot_delayed(x, kernel, carrier, packed)
+
+
+def _operand_sizes(x, kernel):
+    """The numbers of values of a GEMM's input, kernel and output
+    gradient, as Python floats."""
+    k, n = kernel.shape
+    rows = math.prod(x.shape) // k
+    return (float(rows * k), float(k * n), float(rows * n))
 
 
 def _check_stats(stats, shape=stats_module.SHAPE):

@@ -50,6 +50,7 @@ from keras import ops
 from keras_mp import _keras_internals
 from keras_mp._keras_internals import constant
 from keras_mp.backend import fp8 as backend_fp8
+from keras_mp.backend import torch_delayed
 from keras_mp.fp8.codes import FORMATS
 
 TENSORS = ("input", "kernel", "output_gradient")
@@ -59,7 +60,7 @@ STATS_WIDTH = 515
 SHAPE = (len(TENSORS), STATS_WIDTH)
 # Bins below this hold finite amaxes; 510 and 511 hold inf and NaN.
 FINITE_BINS = 510
-_MANTISSA_ABOVE_1_75 = 3 << 21  # 0.75 * 2**23
+MANTISSA_ABOVE_1_75 = 3 << 21  # 0.75 * 2**23
 # Half of each format's smallest subnormal: E4M3's is 2**-9, E5M2's 2**-16.
 _HALF_SMALLEST_SUBNORMAL = {"e4m3": 2.0**-10, "e5m2": 2.0**-17}
 
@@ -69,7 +70,7 @@ def amax_bin(amax):
     bits = ops.view(ops.cast(amax, "float32"), "int32")
     above = ops.cast(
         ops.bitwise_and(bits, constant(0x7FFFFF, "int32"))
-        > _MANTISSA_ABOVE_1_75,
+        > MANTISSA_ABOVE_1_75,
         "int32",
     )
     return ops.right_shift(bits, 23) * 2 + above
@@ -153,6 +154,9 @@ def _histogram(x, amax=None):
     """The one-hot histogram of `x`'s amax (NaN counted as inf)."""
     if amax is None:
         amax = backend_fp8.amax(x, None)
+    if backend_fp8.has_torch_bit_ops(amax):
+        bin_index = torch_delayed.amax_bin(amax, MANTISSA_ABOVE_1_75)
+        return torch_delayed.one_hot(bin_index.reshape(()), HISTOGRAM_BINS)
     return backend_fp8.one_hot(ops.reshape(amax_bin(amax), ()), HISTOGRAM_BINS)
 
 

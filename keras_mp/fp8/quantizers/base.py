@@ -34,12 +34,15 @@ BOTH = ("row", "column")
 class Rows(dict):
     """The statistics rows of one call, by tensor; `counts`: whether they
     count flushed and saturated values (statistics asked for), or hold
-    the amax alone (delayed scaling's); `amaxes`: amaxes already known."""
+    the amax alone (delayed scaling's); `amaxes`: amaxes already known;
+    `from_amaxes`: whether the rows are left unmade, the caller making
+    all of them at once from `amaxes` (PyTorch's delayed scaling)."""
 
-    def __init__(self, counts=True):
+    def __init__(self, counts=True, from_amaxes=False):
         super().__init__()
         self.counts = counts
         self.amaxes = {}
+        self.from_amaxes = from_amaxes
 
 
 class Dtypes(collections.namedtuple("Dtypes", "out dx dw")):
@@ -98,8 +101,9 @@ class Call:
 
     def observe(self, name, x, scale, fmt):
         """Records the statistics row of one quantization, when `rows`
-        asks for them; nothing at all when it is None."""
-        if self.rows is not None:
+        asks for them; nothing at all when it is None or makes them from
+        the amaxes itself."""
+        if self.rows is not None and not self.rows.from_amaxes:
             index = stats_module.TENSORS.index(name)
             self.rows[name] = stats_module.tensor_row(
                 x, scale, fmt, self.rows.counts, self.rows.amaxes.get(index)

@@ -8,7 +8,6 @@ delayed scales (`keras_mp/fp8/delayed.py`).
 """
 
 import functools
-import operator
 
 from keras import ops
 
@@ -24,15 +23,15 @@ from keras_mp.fp8.quantizers.base import operand
 
 def _delayed_scales(call, tensors, fmt):
     """The scales of `tensors`, `(index, tensor)` pairs of a delayed call
-    (`delayed.pick`, one branch for all of them), or Nones for current
-    scaling. Their amaxes are kept in `call.rows` for the statistics: a
-    side output of the step, which no cast waits for where the step is
-    compiled (JAX, TensorFlow): there the first step's current scales
-    reduce the tensors again, inside their own branch, so the casts of a
-    later step read the stored scales alone and XLA may fuse each amax
-    beside its cast (one read of the tensor). PyTorch runs op by op: a
-    branch would read the flag on the host, so it selects, and reuses the
-    amaxes."""
+    (`delayed.pick`, one branch for all of them; on PyTorch
+    `delayed.select`), or Nones for current scaling. Their amaxes are kept
+    in `call.rows` for the statistics: a side output of the step, which no
+    cast waits for where the step is compiled (JAX, TensorFlow): there the
+    first step's current scales reduce the tensors again, inside their own
+    branch, so the casts of a later step read the stored scales alone and
+    XLA may fuse each amax beside its cast (one read of the tensor). PyTorch
+    runs op by op: a branch would read the flag on the host, so it selects,
+    and reuses the amaxes."""
     if call.scaling is None:
         return (None,) * len(tensors)
     amaxes = []
@@ -40,29 +39,26 @@ def _delayed_scales(call, tensors, fmt):
         amax = fp8_backend.amax(t, None)
         call.rows.amaxes[index] = amax
         amaxes.append(amax)
+    indices = tuple(index for index, _ in tensors)
     if fp8_backend.branches_on_host():
-        # Every tensor's current scale in one computation: each op of an
-        # eager step is a kernel launch on a GPU.
-        scales = scale_from_amax(
-            ops.stack([ops.reshape(amax, ()) for amax in amaxes]),
+        # Every tensor's current scale in one computation, and one select
+        # for all of them: each op of an eager step is a kernel launch on
+        # a GPU.
+        currents = scale_from_amax(
+            fp8_backend.stack([fp8_backend.reshape(a, ()) for a in amaxes]),
             fmt,
             call.margin,
         )
-        currents = [
-            functools.partial(operator.getitem, scales, index)
-            for index in range(len(amaxes))
-        ]
+        scales = delayed_module.select(call.scaling, indices, currents)
+        scales = [scales[i] for i in range(len(amaxes))]
     else:
         currents = [
             functools.partial(_current_scale, t, fmt, call.margin)
             for _, t in tensors
         ]
-    indices = tuple(index for index, _ in tensors)
-    scales = delayed_module.pick(
-        call.scaling, indices, currents, not fp8_backend.branches_on_host()
-    )
+        scales = delayed_module.pick(call.scaling, indices, currents)
     return tuple(
-        ops.reshape(scale, ops.shape(amax))
+        fp8_backend.reshape(scale, tuple(amax.shape))
         for scale, amax in zip(scales, amaxes)
     )
 
