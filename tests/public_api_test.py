@@ -3,6 +3,7 @@
 import doctest
 import importlib.metadata
 import inspect
+import os
 import pathlib
 import re
 import types
@@ -250,6 +251,43 @@ def test_import_under_an_unsupported_backend_names_the_supported_ones():
     )
     assert "Received: KERAS_BACKEND='numpy'" in output
     assert "tensorflow, jax, torch" in output
+
+
+@pytest.mark.slow
+def test_every_module_imports_without_the_other_backends_frameworks(tmp_path):
+    """A user of one backend may have neither of the other two frameworks
+    installed (the quickstart's install has TensorFlow and JAX, no torch):
+    every keras_mp module, `keras_mp.testing` included, imports with them
+    hidden. keras_mp 0.3.4's first build imported torch at the top of
+    `backend/torch_delayed.py`, and only the quickstart found it: the
+    suite's machines have all three."""
+    backend = keras.backend.backend()
+    for framework in {"tensorflow", "jax", "torch"} - {backend}:
+        (tmp_path / f"{framework}.py").write_text(
+            f"raise ImportError('{framework} is hidden from this test')\n"
+        )
+    root = pathlib.Path(keras_mp.__file__).resolve().parent.parent
+    output = run_python(
+        """
+        import importlib
+        import pkgutil
+
+        import keras_mp
+
+        names = [
+            module.name
+            for module in pkgutil.walk_packages(keras_mp.__path__, "keras_mp.")
+        ]
+        for name in names:
+            importlib.import_module(name)
+        print(len(names), "modules")
+        """,
+        env={
+            "KERAS_BACKEND": backend,
+            "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root)]),
+        },
+    )
+    assert int(output.split()[0]) > 50, output
 
 
 def test_readme_ci_pyproject_and_docstring_name_the_same_backends():

@@ -9,24 +9,28 @@ itself, bit for bit those of `keras_mp/fp8/delayed.py` and
 `keras_mp/fp8/stats.py`, which call them where `backend/fp8.py`'s
 `has_torch_bit_ops` says so (tests compare the two ways). Python numbers
 stay numbers (a scalar argument of a kernel, no tensor from the host).
-Imports nothing from keras_mp.
+Imports nothing from keras_mp, and torch only inside its functions: the
+module is imported on every backend, with or without torch installed.
 """
 
 import functools
 
 import numpy as np
-import torch
 
 
 @functools.cache
 def _positions(depth, device):
     """`arange(depth)` as int32 on `device`, made once."""
+    import torch
+
     return torch.arange(depth, dtype=torch.int32, device=device)
 
 
 def one_hot(index, depth):
     """float32 one-hot rows of int32 `index` over `depth` positions
     (zeros for an index outside them), as `backend/fp8.py`'s `one_hot`."""
+    import torch
+
     return (_positions(depth, index.device) == index.unsqueeze(-1)).to(
         torch.float32
     )
@@ -36,6 +40,8 @@ def amax_bin(amax, mantissa_above):
     """`keras_mp.fp8.stats.amax_bin`: twice the biased exponent of the
     non-negative float32 `amax` (keras_mp's amaxes are float32), plus one
     where its mantissa bits exceed `mantissa_above` (int32)."""
+    import torch
+
     bits = amax.view(torch.int32)
     above = torch.bitwise_and(bits, 0x7FFFFF) > mantissa_above
     return torch.bitwise_right_shift(bits, 23) * 2 + above
@@ -47,6 +53,8 @@ def _bin_tables(bins, finite_bins, device):
     for no bin, -1): the float32 amax `keras_mp.fp8.delayed.bin_value`
     gives a bin (0 for no bin), and whether a fold writes it (a finite
     bin). Made once per device, from the same bits."""
+    import torch
+
     index = np.arange(-1, bins, dtype=np.int32)
     exponent = np.maximum(index, 0) >> 1
     bits = (exponent << 23) + (np.maximum(index, 0) & 1) * 0x700000
@@ -64,6 +72,8 @@ def fold(history, folds, carrier, parity_column, bins, finite_bins):
     The highest bin of each row, plus one (0 where none is present),
     looks up its amax and whether it is finite in `_bin_tables`. The
     carrier is read detached: its gradient is the `fp8.dot`'s alone."""
+    import torch
+
     carrier = carrier.detach()
     parity = torch.remainder(folds, 2).reshape(1)
     marks = carrier[0, parity_column : parity_column + 2]
@@ -81,18 +91,24 @@ def fold(history, folds, carrier, parity_column, bins, finite_bins):
 def parity(folds):
     """`keras_mp.fp8.delayed.scaling`'s parity: the float32 one-hot of
     `folds % 2`."""
+    import torch
+
     return one_hot(torch.remainder(folds, 2), 2)
 
 
 def carrier_loss_scale(carrier, column):
     """`keras_mp.fp8.delayed.carrier_loss_scale`, read from the carrier
     detached (see `fold`)."""
+    import torch
+
     value = carrier.detach()[0, column]
     return torch.where(value > 0, value, 1.0)
 
 
 def pack(scales, first, parity, loss_scale):
     """`keras_mp.fp8.delayed.pack` of a `Scaling`'s fields."""
+    import torch
+
     return torch.cat(
         [
             scales,
@@ -105,6 +121,8 @@ def pack(scales, first, parity, loss_scale):
 
 def carrier_gradient(statistics, parity):
     """`keras_mp.fp8.delayed.carrier_gradient`."""
+    import torch
+
     zero = torch.zeros(1, dtype=torch.float32, device=parity.device)
     extra = torch.cat([parity, zero]).unsqueeze(0)
     extra = extra.expand(statistics.shape[0], 3)
@@ -116,6 +134,8 @@ def select(first, currents, scales, loss_scale, indices):
     `currents` of tensors `indices` where `first`, else their delayed
     `scales`, the output gradient's (2) times `loss_scale`; sliced where
     `indices` are a forward's (0, 1) or a backward's (2,)."""
+    import torch
+
     if indices == (0, 1):
         delayed = scales[:2]
     elif indices == (2,):
@@ -132,6 +152,8 @@ def carrier_gradient_of_amaxes(amaxes, sizes, parity, bins, mantissa_above):
     (`keras_mp.fp8.stats.tensor_row(..., counts=False)`: each amax's
     one-hot bin, its tensor's size, two zeros) of `amaxes`, whose sizes
     are the float32 `(3,)` `sizes`, made for the three at once."""
+    import torch
+
     stacked = torch.stack([amax.reshape(()) for amax in amaxes])
     histograms = one_hot(amax_bin(stacked, mantissa_above), bins)
     zeros = torch.zeros((3, 2), dtype=torch.float32, device=parity.device)
@@ -152,6 +174,8 @@ def carrier_gradient_of_amaxes(amaxes, sizes, parity, bins, mantissa_above):
 def with_loss_scale(carrier, loss_scale, column):
     """`keras_mp.fp8.delayed.with_loss_scale`: the carrier's columns
     before `column`, then the float32 `loss_scale` in every row."""
+    import torch
+
     scale = loss_scale.to(torch.float32).reshape(1, 1)
     return torch.cat(
         [carrier[:, :column], scale.expand(carrier.shape[0], 1)], 1
