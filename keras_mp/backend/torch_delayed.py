@@ -157,18 +157,8 @@ def carrier_gradient_of_amaxes(amaxes, sizes, parity, bins, mantissa_above):
     stacked = torch.stack([amax.reshape(()) for amax in amaxes])
     histograms = one_hot(amax_bin(stacked, mantissa_above), bins)
     zeros = torch.zeros((3, 2), dtype=torch.float32, device=parity.device)
-    extra = torch.cat(
-        [parity, torch.zeros(1, dtype=torch.float32, device=parity.device)]
-    )
-    return torch.cat(
-        [
-            histograms,
-            sizes.reshape(3, 1),
-            zeros,
-            extra.unsqueeze(0).expand(3, 3),
-        ],
-        1,
-    )
+    statistics = torch.cat([histograms, sizes.reshape(3, 1), zeros], 1)
+    return carrier_gradient(statistics, parity)
 
 
 def with_loss_scale(carrier, loss_scale, column):

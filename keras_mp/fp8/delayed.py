@@ -144,18 +144,16 @@ def carrier_loss_scale(carrier):
 def scaling(history, folds, carrier, recipe):
     """The `Scaling` of a call, from the (folded) state and the carrier."""
     if backend_fp8.has_torch_bit_ops(history):
-        return Scaling(
-            scales=history_scales(history, recipe),
-            first=folds == 0,
-            parity=torch_delayed.parity(folds),
-            loss_scale=torch_delayed.carrier_loss_scale(carrier, LOSS_SCALE),
-        )
-    parity = backend_fp8.one_hot(ops.mod(folds, constant(2, "int32")), 2)
+        parity = torch_delayed.parity(folds)
+        loss_scale = torch_delayed.carrier_loss_scale(carrier, LOSS_SCALE)
+    else:
+        parity = backend_fp8.one_hot(ops.mod(folds, constant(2, "int32")), 2)
+        loss_scale = carrier_loss_scale(carrier)
     return Scaling(
         scales=history_scales(history, recipe),
         first=folds == 0,
         parity=parity,
-        loss_scale=carrier_loss_scale(carrier),
+        loss_scale=loss_scale,
     )
 
 

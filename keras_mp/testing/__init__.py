@@ -39,6 +39,7 @@ __all__ = [
     "tolerance",
     "to_numpy",
     "torch_saved_tensors",
+    "without_modules",
 ]
 
 _TOLERANCES = {
@@ -800,32 +801,37 @@ def run_script(path, *args, env=None, timeout=600):
     backend = keras.backend.backend()
     paths = [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]
     if backend != "tensorflow":
-        paths.insert(0, _without_tensorflow())
+        paths.insert(0, without_modules("tensorflow"))
     full_env = {"KERAS_BACKEND": backend, "PYTHONPATH": os.pathsep.join(paths)}
     full_env.update(env or {})
     return _run_child([str(path), *args], full_env, timeout, root)
 
 
-_NO_TENSORFLOW = """\
-# Stands in for TensorFlow in a script keras_mp.testing.run_script runs on
-# JAX or PyTorch: it then runs as on a machine without TensorFlow, where most
-# users of those backends are. TensorFlow is installed for the suite's
-# TensorFlow run, and Keras imports it whenever it can
-# (keras.utils.set_random_seed seeds it): 2 s of every script.
+_HIDDEN_MODULE = """\
+# Stands in for {name} in a child process that keras_mp.testing runs as on a
+# machine without it: `run_script` runs guides, examples and benchmarks on
+# JAX and PyTorch without TensorFlow, where most users of those backends
+# are (TensorFlow is installed for the suite's TensorFlow run, and Keras
+# imports it whenever it can: 2 s of every script); the tests of imports
+# hide the other backends' frameworks.
 raise ImportError(
-    "TensorFlow is hidden from this script: keras_mp's tests run guides, "
-    "examples and benchmarks on JAX and PyTorch as on a machine without it."
+    "{name} is hidden from this process by keras_mp.testing, to run as on "
+    "a machine without it."
 )
 """
 
 
 @functools.cache
-def _without_tensorflow():
-    """A folder whose `tensorflow` module fails to import, made once per
-    process (and removed at exit)."""
-    folder = tempfile.mkdtemp(prefix="keras_mp_without_tensorflow_")
+def without_modules(*names):
+    """A folder whose modules `names` (e.g. `"tensorflow"`) fail to import
+    with an ImportError: put it first on a child process's `PYTHONPATH`
+    (`run_python`'s `env`) to run as on a machine without them. Made once
+    per process for each `names` (and removed at exit)."""
+    folder = tempfile.mkdtemp(prefix="keras_mp_without_")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    pathlib.Path(folder, "tensorflow.py").write_text(_NO_TENSORFLOW)
+    for name in names:
+        text = _HIDDEN_MODULE.format(name=name)
+        pathlib.Path(folder, f"{name}.py").write_text(text)
     return folder
 
 
