@@ -45,7 +45,7 @@ fp8.__all__ = sorted([*fp8.__all__, "adopt", "freeze"])
 
 # The one source of the version: pyproject reads this literal
 # ([tool.setuptools.dynamic]); keras_mp/CHANGELOG.md names it.
-__version__ = "0.3.4"
+__version__ = "0.3.5"
 
 __all__ = [
     "AutoCastVariable",

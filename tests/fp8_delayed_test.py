@@ -549,9 +549,10 @@ def test_under_keras_loss_scale_optimizer_the_history_stays_loss_scaled():
 
 
 def _torch_delayed_run(recipes, torch_ops, monkeypatch):
-    """Every variable after six `fit` steps of delayed layers (one called
+    """Every variable after eight `fit` steps of delayed layers (one called
     twice) under a dynamic loss scale, one step's output gradient inf (a
-    skip), with PyTorch's own ops for the delayed bookkeeping or with
+    skip), the model's weights set back to their start before the sixth,
+    with PyTorch's own ops for the delayed bookkeeping or with
     `keras.ops`."""
     from keras_mp.backend import fp8 as backend_fp8
 
@@ -582,10 +583,16 @@ def _torch_delayed_run(recipes, torch_ops, monkeypatch):
         loss=_linear_loss,
     )
     rng = np.random.default_rng(8)
-    for step in range(6):
+    initial = model.get_weights()
+    for step in range(8):
         x, c = _step_data(step, len(recipes) - 1, rng)
         if step == 3:
             c[0, 0] = np.inf
+        if step == 5:
+            # Every layer's state back to its start (counts 0, carriers
+            # stale): the next steps take current scales again. PyTorch's
+            # host must see the count written (`fp8_layers/state.py`).
+            model.set_weights(initial)
         model.train_on_batch(x, c)
     assert int(to_numpy(model.optimizer.skipped_steps)) >= 1
     return {v.path: to_numpy(v) for v in model.variables}
@@ -600,7 +607,9 @@ def test_torchs_own_delayed_bookkeeping_gives_the_bits_of_keras_ops(
     step's `keras.ops` calls cost host time each): every weight, history,
     count, scale and carrier of a run is bit-identical to the
     `keras.ops` run's, through repeated calls, a skipped step, a dynamic
-    loss scale, both amax algorithms and statistics with counts."""
+    loss scale, both amax algorithms, statistics with counts, and the
+    state set back to its start (what the host knows of a layer's folds
+    must follow the count)."""
     from keras_mp.backend import torch_delayed
 
     recipes = [
@@ -609,18 +618,20 @@ def test_torchs_own_delayed_bookkeeping_gives_the_bits_of_keras_ops(
         fp8.Recipe(scaling="delayed", amax_history=5, stats=True, margin=1),
     ]
     calls = []
-    for name in ("fold", "carrier_gradient_of_amaxes", "with_loss_scale"):
+    names = ("fold", "carrier_gradient_of_amaxes", "write_loss_scale", "select")
+    for name in names:
         own = getattr(torch_delayed, name)
 
         def counting(*args, own=own, name=name):
-            calls.append(name)
+            # `select` with `first` a Python False: the host knew the
+            # layer had folded, and no current scale was made.
+            known = name == "select" and args[0] is False
+            calls.append("select_known" if known else name)
             return own(*args)
 
         monkeypatch.setattr(torch_delayed, name, counting)
     fast = _torch_delayed_run(recipes, True, monkeypatch)
-    assert {"fold", "carrier_gradient_of_amaxes", "with_loss_scale"} <= set(
-        calls
-    )
+    assert {*names, "select_known"} <= set(calls)
     calls.clear()
     generic = _torch_delayed_run(recipes, False, monkeypatch)
     assert not calls

@@ -309,8 +309,8 @@ def test_torchs_own_scale_from_amax_gives_the_bits_of_keras_ops(monkeypatch):
     bits = np.concatenate(
         [
             (exponents[:, None] | mantissas[None, :]).ravel(),
-            rng.integers(0, 0x7F800000, 20001, dtype=np.uint32),
-            np.array([0x7FC00000, 0x7F800001], np.uint32),  # NaNs
+            rng.integers(0, 0x7F800000, 20000, dtype=np.uint32),
+            np.array([0x7FC00000, 0x7F800001, 0x7FFFFFFF], np.uint32),  # NaNs
         ]
     )
     amax = torch.from_numpy(bits.view(np.float32).copy()).reshape(-1, 3)

@@ -219,6 +219,61 @@ def test_torch_fp8_step_adds_no_host_sync(recipe, monkeypatch):
 
 
 @pytest.mark.backends("torch")
+def test_torch_delayed_layers_read_their_fold_count_only_until_they_fold(
+    monkeypatch,
+):
+    """A delayed FP8 layer on PyTorch reads its fold count on the host
+    (`fp8_layers/state.py`) until it has folded a carrier: at most once a
+    layer in each of the first two steps, and in the first step after its
+    count is written (here `set_weights`); then never, and its calls make
+    no current scale."""
+    from keras_mp.backend import fp8 as backend_fp8
+    from keras_mp.backend import torch_delayed
+
+    monkeypatch.setattr(backend_fp8, "SCALED_MM_ON_CPU", True)
+    firsts = []
+    select = torch_delayed.select
+
+    def recording(first, *args):
+        firsts.append(first is False)
+        return select(first, *args)
+
+    monkeypatch.setattr(torch_delayed, "select", recording)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 64)).astype("float32")
+    models = {
+        name: _mlp(
+            "mixed_bfloat16", fp8, (128, 64, 64, 16), keras.optimizers.Adam()
+        )
+        for name, fp8 in (
+            ("current", keras_mp.fp8.Recipe()),
+            ("delayed", keras_mp.fp8.Recipe(scaling="delayed")),
+        )
+    }
+    layers = sum(
+        layer.dtype_policy.fp8 is not None for layer in models["delayed"].layers
+    )
+    assert layers == 3  # the output layer keeps the compute dtype
+    initial = models["delayed"].get_weights()
+
+    def extra_reads():
+        counts = {}
+        for name, model in models.items():
+            with count_host_syncs() as counted:
+                model.train_on_batch(x, x[:, :16])
+            counts[name] = sum(counted.values())
+        return counts["delayed"] - counts["current"]
+
+    reads = [extra_reads() for _ in range(4)]
+    firsts.clear()
+    reads.append(extra_reads())
+    assert all(firsts) and len(firsts) == 2 * layers, firsts
+    models["delayed"].set_weights(initial)
+    reads += [extra_reads() for _ in range(4)]
+    assert reads == [layers, layers, 0, 0, 0, layers, layers, 0, 0], reads
+
+
+@pytest.mark.backends("torch")
 @pytest.mark.parametrize(
     "policy, recipe, optimizer",
     [

@@ -250,21 +250,26 @@ def has_torch_bit_ops(amax):
     return isinstance(amax, torch.Tensor) and not torch.compiler.is_compiling()
 
 
-def torch_scale_from_amax(amax, exponent, mantissa, low, high):
+def torch_scale_from_amax(amax, exponent, carry, low, high):
     """`keras_mp.fp8.codes.scale_from_amax` in torch operations, bit for
     bit: the power of two whose biased exponent is `amax`'s, less
-    `exponent`, plus one where `amax`'s mantissa bits exceed `mantissa`,
-    clipped to `[low, high]`; 1 where `amax` is 0, `amax` where it is not
-    finite. `exponent` and `mantissa` are ints, or int32 tensors (one per
-    value of the last axis). Python numbers stay numbers (no tensor from
-    the host)."""
+    `exponent`, plus one where `amax`'s mantissa bits exceed `0x7FFFFF -
+    carry`, clipped to `[low, high]`; 1 where `amax` is 0, `amax` where it
+    is not finite. `exponent` and `carry` are ints, or int32 tensors (one
+    per value of the last axis). Python numbers stay numbers (no tensor
+    from the host)."""
     import torch
 
-    amax = amax.to(torch.float32)
-    bits = amax.view(torch.int32)
-    above = (torch.bitwise_and(bits, 0x7FFFFF) > mantissa).to(torch.int32)
-    biased = torch.bitwise_right_shift(bits, 23) - exponent + above
-    biased = torch.clamp(biased, low, high)
+    if amax.dtype != torch.float32:
+        amax = amax.to(torch.float32)
+    # Adding `carry` to the bits carries into the exponent exactly where
+    # the mantissa bits exceed `0x7FFFFF - carry` (the bits clipped to
+    # inf's first, so that no NaN overflows; a non-finite amax is its own
+    # scale below): two ops where a mask, a comparison and a cast took
+    # four.
+    bits = torch.clamp_max(amax.view(torch.int32), 0x7F800000)
+    biased = torch.bitwise_right_shift(bits + carry, 23)
+    biased = torch.clamp(biased - exponent, low, high)
     scale = torch.bitwise_left_shift(biased, 23).view(torch.float32)
     scale = torch.where(amax == 0.0, 1.0, scale)
     return torch.where(torch.isfinite(amax), scale, amax)

@@ -133,7 +133,8 @@ def select(first, currents, scales, loss_scale, indices):
     """`keras_mp.fp8.delayed.select`: the float32 current scales
     `currents` of tensors `indices` where `first`, else their delayed
     `scales`, the output gradient's (2) times `loss_scale`; sliced where
-    `indices` are a forward's (0, 1) or a backward's (2,)."""
+    `indices` are a forward's (0, 1) or a backward's (2,); the delayed
+    ones alone where `first` is a Python False."""
     import torch
 
     if indices == (0, 1):
@@ -144,6 +145,8 @@ def select(first, currents, scales, loss_scale, indices):
         delayed = torch.stack(
             [scales[i] * loss_scale if i == 2 else scales[i] for i in indices]
         )
+    if first is False:
+        return delayed
     return torch.where(first, currents, delayed)
 
 
@@ -170,3 +173,12 @@ def with_loss_scale(carrier, loss_scale, column):
     return torch.cat(
         [carrier[:, :column], scale.expand(carrier.shape[0], 1)], 1
     )
+
+
+def write_loss_scale(carrier, loss_scale, column):
+    """`with_loss_scale` written into the carrier tensor `carrier` (a
+    variable's) in place: `loss_scale` in column `column` of every row."""
+    import torch
+
+    with torch.no_grad():
+        carrier[:, column].copy_(loss_scale.to(torch.float32).reshape(()))

@@ -63,6 +63,19 @@ def _threshold(fmt, margin):
     return exponent, mantissa
 
 
+def _torch_thresholds(thresholds):
+    """`(exponent, carry)` of `_threshold`'s `(exponent, mantissa)` (or a
+    list of them, as int32 vectors) for `torch_scale_from_amax`: `carry`
+    is `0x7FFFFF - mantissa`."""
+    if isinstance(thresholds, list):
+        return (
+            constant(tuple(e for e, _ in thresholds), "int32"),
+            constant(tuple(0x7FFFFF - m for _, m in thresholds), "int32"),
+        )
+    exponent, mantissa = thresholds
+    return exponent, 0x7FFFFF - mantissa
+
+
 def scale_from_amax(amax, fmt="e4m3", margin=0):
     """The power-of-two scale of values whose largest magnitude is `amax`.
 
@@ -87,17 +100,21 @@ def scale_from_amax(amax, fmt="e4m3", margin=0):
         for each in fmt:
             check_format(each)
         thresholds = [_threshold(each, margin) for each in fmt]
-        exponent = constant(tuple(e for e, _ in thresholds), "int32")
-        mantissa = constant(tuple(m for _, m in thresholds), "int32")
     else:
         check_format(fmt)
-        exponent, mantissa = _threshold(fmt, margin)
+        thresholds = _threshold(fmt, margin)
     if backend_fp8.has_torch_bit_ops(amax):
         # The same operations in torch itself: a third of `keras.ops`'
         # host time, which an eager GPU step spends for every tensor.
+        exponent, carry = _torch_thresholds(thresholds)
         return backend_fp8.torch_scale_from_amax(
-            amax, exponent, mantissa, _MIN_EXPONENT, _MAX_EXPONENT
+            amax, exponent, carry, _MIN_EXPONENT, _MAX_EXPONENT
         )
+    if isinstance(thresholds, list):
+        exponent = constant(tuple(e for e, _ in thresholds), "int32")
+        mantissa = constant(tuple(m for _, m in thresholds), "int32")
+    else:
+        exponent, mantissa = thresholds
     amax = ops.cast(amax, "float32")
     bits = ops.view(amax, "int32")
     biased = ops.right_shift(bits, 23)

@@ -39,9 +39,11 @@ Imports only its `keras_mp.fp8` siblings.
 
 import collections
 
+import keras
 from keras import ops
 
 from keras_mp._keras_internals import constant
+from keras_mp._keras_internals import in_stateless_scope
 from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.backend import torch_delayed
 from keras_mp.fp8 import stats as stats_module
@@ -226,8 +228,10 @@ def select(scaling, indices, currents):
     """`pick` without a branch: `currents`, the float32 current scales of
     tensors `indices` in one vector, on the first step, else the delayed
     ones, as one vector (an eager step computes every scale and selects,
-    where a branch would read the flag on the host)."""
-    if backend_fp8.has_torch_bit_ops(currents):
+    where a branch would read the flag on the host). Where `first` is a
+    Python False (the host knows the layer has a history), the delayed
+    ones, and `currents` may be None."""
+    if backend_fp8.has_torch_bit_ops(scaling.scales):
         return torch_delayed.select(
             scaling.first,
             currents,
@@ -236,6 +240,8 @@ def select(scaling, indices, currents):
             tuple(indices),
         )
     delayed = ops.stack(_delayed_scales(scaling, indices))
+    if scaling.first is False:
+        return delayed
     return ops.where(scaling.first, currents, delayed)
 
 
@@ -278,6 +284,18 @@ def is_carrier(variable):
     return stats_module.is_carrier(variable) and (
         tuple(variable.shape) == CARRIER_SHAPE
     )
+
+
+def write_loss_scale(carrier, loss_scale):
+    """Writes the loss scale of the next step into the carrier variable
+    `carrier` (`with_loss_scale`); on PyTorch's eager step in place, the
+    one column (Keras's `assign` converts the whole carrier again)."""
+    if keras.backend.backend() == "torch" and not in_stateless_scope():
+        value = carrier.value
+        if backend_fp8.has_torch_bit_ops(value):
+            torch_delayed.write_loss_scale(value, loss_scale, LOSS_SCALE)
+            return
+    carrier.assign(with_loss_scale(carrier, loss_scale))
 
 
 def with_loss_scale(carrier, loss_scale):

@@ -217,28 +217,35 @@ def _delayed_dot(x, kernel, carrier, scaling, forward, recipe):
     carrier = _check_stats(
         fp8_backend.read_tensor(carrier), delayed_module.CARRIER_SHAPE
     )
-    packed = delayed_module.pack(scaling)
-    # PyTorch makes the three rows of the carrier's gradient at once from
-    # the amaxes (an eager step's ops cost host time each).
-    from_amaxes = not recipe.stats and fp8_backend.has_torch_bit_ops(packed)
+    # PyTorch's custom gradient may close over the call's `Scaling` (its
+    # `first` may be a Python False, `fp8_layers/state.py`), and makes the
+    # three rows of the carrier's gradient at once from the amaxes (an
+    # eager step's ops cost host time each). JAX's must not close over
+    # values of the step: it takes them packed, as an input.
+    on_torch = fp8_backend.has_torch_bit_ops(carrier)
+    packed = None if on_torch else delayed_module.pack(scaling)
+    from_amaxes = not recipe.stats and on_torch
 
     @fp8_backend.custom_gradient
     def fp8_dot_delayed(x, kernel, carrier, packed):
         rows = quantizers.Rows(counts=recipe.stats, from_amaxes=from_amaxes)
-        scaling = delayed_module.unpack(packed)
-        out, backward = forward(x, kernel, rows, scaling)
+        call = scaling if packed is None else delayed_module.unpack(packed)
+        out, backward = forward(x, kernel, rows, call)
         sizes = _operand_sizes(x, kernel) if from_amaxes else None
 
         def grad(*args, upstream=None):
             dx, dw = backward(args, upstream)
             if from_amaxes:
                 carrier = delayed_module.carrier_gradient_of_amaxes(
-                    [rows.amaxes[i] for i in range(3)], sizes, scaling
+                    [rows.amaxes[i] for i in range(3)], sizes, call
                 )
             else:
                 statistics = ops.stack([rows[t] for t in stats_module.TENSORS])
-                carrier = delayed_module.carrier_gradient(statistics, scaling)
-            return dx, dw, _across_replicas(carrier), ops.zeros_like(packed)
+                carrier = delayed_module.carrier_gradient(statistics, call)
+            carrier = _across_replicas(carrier)
+            if packed is None:
+                return dx, dw, carrier, None
+            return dx, dw, carrier, ops.zeros_like(packed)
 
         return out, grad
 

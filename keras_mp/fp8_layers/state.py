@@ -9,6 +9,7 @@ state with their decided recipes.
 import keras
 
 from keras_mp import _keras_internals
+from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.fp8 import delayed as delayed_module
 from keras_mp.fp8 import mxfp8
 from keras_mp.fp8 import nvfp4
@@ -200,7 +201,25 @@ def stats_input(layer, recipe):
     if not (recipe.stats or recipe.scaling == "delayed"):
         return None
     carrier = stats_module.layer_carrier(layer)
-    return None if carrier is None else stored(carrier)
+    if carrier is None:
+        return None
+    if keras.backend.backend() == "torch":
+        # PyTorch's eager step takes the variable's tensor itself (its
+        # gradient reaches it all the same): no copy of it each call.
+        value = _torch_tensor(carrier)
+        if value is not None:
+            return value
+    return stored(carrier)
+
+
+def _torch_tensor(variable):
+    """The torch tensor of a Keras variable, where PyTorch's eager step
+    may read and write it in place (not in a stateless scope, not while
+    `torch.compile` traces); else None."""
+    if _keras_internals.in_stateless_scope():
+        return None
+    value = variable.value
+    return value if backend_fp8.has_torch_bit_ops(value) else None
 
 
 def delayed_scaling(layer, recipe, carrier):
@@ -216,6 +235,11 @@ def delayed_scaling(layer, recipe, carrier):
             "outside a model keras_mp saw. Received: fp8="
             f"{recipe!r}. Set the policy before building the layer."
         )
+    if (
+        backend_fp8.has_torch_bit_ops(carrier)
+        and not _keras_internals.in_stateless_scope()
+    ):
+        return _torch_delayed_scaling(layer, recipe, carrier, state)
     history, steps = delayed_module.fold(
         stored(state["fp8_amax_history"]),
         stored(state["fp8_steps"]),
@@ -228,5 +252,66 @@ def delayed_scaling(layer, recipe, carrier):
         keras.ops.where(
             scaling.first, keras.ops.zeros_like(scaling.scales), scaling.scales
         )
+    )
+    return scaling
+
+
+# What the host knows of a delayed layer's fold count on PyTorch, kept on
+# its `fp8_steps` variable: `(folded, tensors)`, whether the count was
+# above 0 after the fold that wrote it last, and `tensors`, the carrier's
+# and the count's values and versions then (`_versions`).
+_HOST_FOLDS = "_keras_mp_host_folds"
+
+
+def _versions(carrier, steps):
+    return (carrier, carrier._version, steps, steps._version)
+
+
+def _still(known, now):
+    """Whether what the host knew, `known`, still holds at `now`
+    (`_versions`): nothing but the fold wrote the count since, which only
+    counts up; and for a count of 0, the carrier is the same."""
+    if known is None:
+        return False
+    folded, then = known
+    if then[2] is not now[2] or then[3] != now[3]:
+        return False
+    return folded or (then[0] is now[0] and then[1] == now[1])
+
+
+def _torch_delayed_scaling(layer, recipe, carrier, state):
+    """`delayed_scaling` on PyTorch's eager step, bit for bit: the state
+    read and written in place (Keras's `assign` and `copy` convert each
+    tensor again), and the call's `Scaling.first` a Python False once the
+    layer has folded a carrier, so that no call computes current scales
+    only to select them away (about twenty ops a call; `tensorwise.py`).
+
+    The host learns that the count is above 0 by reading it (`bool`), at
+    most once per carrier the optimizer assigns, until it is: the first
+    two training steps, and the first call after a load or an assignment
+    of the count. Then torch's version counters say that only the fold
+    wrote the count since, and the fold only counts up (a write through
+    `.data` escapes them; Keras's and keras_mp's never write so)."""
+    import torch
+
+    history = state["fp8_amax_history"].value
+    steps = state["fp8_steps"].value
+    own_carrier = stats_module.layer_carrier(layer).value
+    known = getattr(state["fp8_steps"], _HOST_FOLDS, None)
+    unchanged = _still(known, _versions(own_carrier, steps))
+    history, folds = delayed_module.fold(history, steps, carrier)
+    scaling = delayed_module.scaling(history, folds, carrier, recipe)
+    folded = known[0] if unchanged else bool(folds > 0)
+    scales = scaling.scales
+    if folded:
+        scaling = scaling._replace(first=False)
+    else:
+        scales = torch.where(scaling.first, 0.0, scales)
+    with torch.no_grad():
+        state["fp8_amax_history"].value.copy_(history)
+        steps.copy_(folds)
+        state["fp8_scale"].value.copy_(scales)
+    setattr(
+        state["fp8_steps"], _HOST_FOLDS, (folded, _versions(own_carrier, steps))
     )
     return scaling

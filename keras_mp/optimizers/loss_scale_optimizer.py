@@ -498,7 +498,7 @@ class LossScaleOptimizer(
             return
         loss_scale = self._loss_scale()
         for carrier in carriers:
-            carrier.assign(fp8_delayed.with_loss_scale(carrier, loss_scale))
+            fp8_delayed.write_loss_scale(carrier, loss_scale)
 
     def _run_loss_scaled_step(self, grads_and_vars):
         if self._unscale_in_step or self._stats_divided:

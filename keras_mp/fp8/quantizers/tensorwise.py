@@ -44,11 +44,15 @@ def _delayed_scales(call, tensors, fmt):
         # Every tensor's current scale in one computation, and one select
         # for all of them: each op of an eager step is a kernel launch on
         # a GPU.
-        currents = scale_from_amax(
-            fp8_backend.stack([fp8_backend.reshape(a, ()) for a in amaxes]),
-            fmt,
-            call.margin,
-        )
+        # Once the host knows the layer has a history (`first` is a
+        # Python False: `fp8_layers/state.py`), no current scale is made.
+        currents = None
+        if call.scaling.first is not False:
+            currents = scale_from_amax(
+                fp8_backend.stack([fp8_backend.reshape(a, ()) for a in amaxes]),
+                fmt,
+                call.margin,
+            )
         scales = delayed_module.select(call.scaling, indices, currents)
         scales = [scales[i] for i in range(len(amaxes))]
     else:
