@@ -618,7 +618,12 @@ def test_torchs_own_delayed_bookkeeping_gives_the_bits_of_keras_ops(
         fp8.Recipe(scaling="delayed", amax_history=5, stats=True, margin=1),
     ]
     calls = []
-    names = ("fold", "carrier_gradient_of_amaxes", "write_loss_scale", "select")
+    names = (
+        "fold_and_scaling",
+        "carrier_gradient_of_amaxes",
+        "write_loss_scale",
+        "select",
+    )
     for name in names:
         own = getattr(torch_delayed, name)
 

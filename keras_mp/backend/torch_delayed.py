@@ -66,26 +66,43 @@ def _bin_tables(bins, finite_bins, device):
     )
 
 
-def fold(history, folds, carrier, parity_column, bins, finite_bins):
-    """`keras_mp.fp8.delayed.fold`, with its constants: the carrier's
-    parity columns, its histogram bins and the finite ones among them.
-    The highest bin of each row, plus one (0 where none is present),
-    looks up its amax and whether it is finite in `_bin_tables`. The
-    carrier is read detached: its gradient is the `fp8.dot`'s alone."""
+@functools.cache
+def _bin_positions(bins, device):
+    """`arange(1, bins + 1)` as int32 on `device`: each bin's position
+    plus one (0 standing for none), made once."""
+    return _positions(bins + 1, device)[1:]
+
+
+def fold_and_scaling(
+    history, folds, carrier, parity_column, loss_scale_column, bins, finite_bins
+):
+    """`keras_mp.fp8.delayed.fold`, then `keras_mp.fp8.delayed.scaling`'s
+    parity and loss scale, from one read of the carrier: `(history, folds,
+    parity, loss_scale)`. The highest bin of each row, plus one (0 where
+    none is present), looks up its amax and whether it is finite in
+    `_bin_tables`. The carrier is read detached: its gradient is the
+    `fp8.dot`'s alone."""
     import torch
 
-    carrier = carrier.detach()
-    parity = torch.remainder(folds, 2).reshape(1)
-    marks = carrier[0, parity_column : parity_column + 2]
-    fresh = torch.index_select(marks, 0, parity) > 0
-    positions = _positions(bins + 1, carrier.device)[1:]
-    top = torch.where(carrier[:, :bins] > 0, positions, 0).amax(1)
-    values, writable = _bin_tables(bins, finite_bins, carrier.device)
+    row = carrier.detach()[0]
+    before = torch.remainder(folds, 2).reshape(1)
+    marks = row[parity_column : parity_column + 2]
+    fresh = torch.index_select(marks, 0, before) > 0
+    device = carrier.device
+    present = carrier.detach()[:, :bins] > 0
+    top = torch.where(present, _bin_positions(bins, device), 0).amax(1)
+    values, writable = _bin_tables(bins, finite_bins, device)
     amax = torch.index_select(values, 0, top)
     shifted = torch.cat([amax.unsqueeze(1), history[:, :-1]], 1)
     write = torch.logical_and(fresh, torch.index_select(writable, 0, top))
     history = torch.where(write.unsqueeze(1), shifted, history)
-    return history, folds + fresh.reshape(()).to(torch.int32)
+    # int32 plus bool is int32: the count, one more where fresh.
+    folds = folds + fresh.reshape(())
+    parity = (_positions(2, device) == torch.remainder(folds, 2)).to(
+        torch.float32
+    )
+    value = row[loss_scale_column]
+    return history, folds, parity, torch.where(value > 0, value, 1.0)
 
 
 def parity(folds):
@@ -150,18 +167,35 @@ def select(first, currents, scales, loss_scale, indices):
     return torch.where(first, currents, delayed)
 
 
-def carrier_gradient_of_amaxes(amaxes, sizes, parity, bins, mantissa_above):
+@functools.lru_cache(maxsize=256)
+def _gradient_base(sizes, width, size_column, device):
+    """A float32 `(3, width)` of zeros but for the three tensors' `sizes`
+    (Python floats) in `size_column`: what a carrier's gradient holds
+    before its bins and parity, made once per shape of call."""
+    import torch
+
+    base = torch.zeros((3, width), dtype=torch.float32)
+    base[:, size_column] = torch.tensor(sizes, dtype=torch.float32)
+    return base.to(device)
+
+
+def carrier_gradient_of_amaxes(
+    amaxes, sizes, parity, bins, mantissa_above, width, parity_column
+):
     """`carrier_gradient` of the three statistics rows without counts
     (`keras_mp.fp8.stats.tensor_row(..., counts=False)`: each amax's
     one-hot bin, its tensor's size, two zeros) of `amaxes`, whose sizes
-    are the float32 `(3,)` `sizes`, made for the three at once."""
+    are the Python floats `sizes`: a copy of a row template
+    (`_gradient_base`), each amax's bin set to 1 (every bin is below
+    `bins`, the infinities' and NaN's too) and the parity written in."""
     import torch
 
     stacked = torch.stack([amax.reshape(()) for amax in amaxes])
-    histograms = one_hot(amax_bin(stacked, mantissa_above), bins)
-    zeros = torch.zeros((3, 2), dtype=torch.float32, device=parity.device)
-    statistics = torch.cat([histograms, sizes.reshape(3, 1), zeros], 1)
-    return carrier_gradient(statistics, parity)
+    index = amax_bin(stacked, mantissa_above).to(torch.int64).unsqueeze(1)
+    gradient = _gradient_base(tuple(sizes), width, bins, parity.device)
+    gradient = gradient.clone().scatter_(1, index, 1.0)
+    gradient[:, parity_column : parity_column + 2] = parity
+    return gradient
 
 
 def with_loss_scale(carrier, loss_scale, column):

@@ -104,14 +104,7 @@ def fold(history, folds, carrier):
         more.
     """
     if backend_fp8.has_torch_bit_ops(history):
-        return torch_delayed.fold(
-            history,
-            folds,
-            carrier,
-            PARITY,
-            stats_module.HISTOGRAM_BINS,
-            stats_module.FINITE_BINS,
-        )
+        return _torch_fold(history, folds, carrier)[:2]
     parity = ops.mod(folds, constant(2, "int32"))
     marks = carrier[0, PARITY : PARITY + 2]
     fresh = ops.take(marks, parity) > 0
@@ -124,6 +117,19 @@ def fold(history, folds, carrier):
     write = ops.expand_dims(ops.logical_and(fresh, finite), 1)
     history = ops.where(write, shifted, history)
     return history, folds + ops.cast(fresh, "int32")
+
+
+def _torch_fold(history, folds, carrier):
+    """`torch_delayed.fold_and_scaling` with the carrier's constants."""
+    return torch_delayed.fold_and_scaling(
+        history,
+        folds,
+        carrier,
+        PARITY,
+        LOSS_SCALE,
+        stats_module.HISTOGRAM_BINS,
+        stats_module.FINITE_BINS,
+    )
 
 
 def history_scales(history, recipe):
@@ -157,6 +163,21 @@ def scaling(history, folds, carrier, recipe):
         parity=parity,
         loss_scale=loss_scale,
     )
+
+
+def fold_and_scaling(history, folds, carrier, recipe, first=None):
+    """PyTorch's `fold`, then the call's `scaling`, sharing their reads of
+    the carrier (`has_torch_bit_ops`): `(history, folds, Scaling)`.
+    `first`, where the caller knows it (a Python bool), is the Scaling's
+    as it is."""
+    history, folds, parity, loss_scale = _torch_fold(history, folds, carrier)
+    result = Scaling(
+        scales=history_scales(history, recipe),
+        first=folds == 0 if first is None else first,
+        parity=parity,
+        loss_scale=loss_scale,
+    )
+    return history, folds, result
 
 
 def pack(scaling):
@@ -272,10 +293,12 @@ def carrier_gradient_of_amaxes(amaxes, sizes, scaling):
     """
     return torch_delayed.carrier_gradient_of_amaxes(
         amaxes,
-        constant(tuple(sizes), "float32"),
+        tuple(sizes),
         scaling.parity,
         stats_module.HISTOGRAM_BINS,
         stats_module.MANTISSA_ABOVE_1_75,
+        CARRIER_WIDTH,
+        PARITY,
     )
 
 

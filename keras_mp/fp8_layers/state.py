@@ -299,8 +299,13 @@ def _torch_delayed_scaling(layer, recipe, carrier, state):
     own_carrier = stats_module.layer_carrier(layer).value
     known = getattr(state["fp8_steps"], _HOST_FOLDS, None)
     unchanged = _still(known, _versions(own_carrier, steps))
-    history, folds = delayed_module.fold(history, steps, carrier)
-    scaling = delayed_module.scaling(history, folds, carrier, recipe)
+    history, folds, scaling = delayed_module.fold_and_scaling(
+        history,
+        steps,
+        carrier,
+        recipe,
+        first=False if unchanged and known[0] else None,
+    )
     folded = known[0] if unchanged else bool(folds > 0)
     scales = scaling.scales
     if folded:
