@@ -84,12 +84,13 @@ def fold_and_scaling(
     `fp8.dot`'s alone."""
     import torch
 
-    row = carrier.detach()[0]
+    carrier = carrier.detach()
+    row = carrier[0]
     before = torch.remainder(folds, 2).reshape(1)
     marks = row[parity_column : parity_column + 2]
     fresh = torch.index_select(marks, 0, before) > 0
     device = carrier.device
-    present = carrier.detach()[:, :bins] > 0
+    present = carrier[:, :bins] > 0
     top = torch.where(present, _bin_positions(bins, device), 0).amax(1)
     values, writable = _bin_tables(bins, finite_bins, device)
     amax = torch.index_select(values, 0, top)
@@ -214,5 +215,8 @@ def write_loss_scale(carrier, loss_scale, column):
     variable's) in place: `loss_scale` in column `column` of every row."""
     import torch
 
+    scale = torch.as_tensor(
+        loss_scale, dtype=torch.float32, device=carrier.device
+    )
     with torch.no_grad():
-        carrier[:, column].copy_(loss_scale.to(torch.float32).reshape(()))
+        carrier[:, column].copy_(scale.reshape(()))
