@@ -34,7 +34,8 @@ How the amaxes reach the history on every backend, inside the step:
   backward is traced with the forward, so the layer reads it there, as a
   value of the step.
 
-Imports only its `keras_mp.fp8` siblings.
+Imports Keras, `keras_mp._keras_internals`, `keras_mp.backend` and its
+`keras_mp.fp8` siblings.
 """
 
 import collections

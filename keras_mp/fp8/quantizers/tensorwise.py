@@ -30,8 +30,10 @@ def _delayed_scales(call, tensors, fmt):
     first step's current scales reduce the tensors again, inside their own
     branch, so the casts of a later step read the stored scales alone and
     XLA may fuse each amax beside its cast (one read of the tensor). PyTorch
-    runs op by op: a branch would read the flag on the host, so it selects,
-    and reuses the amaxes."""
+    runs op by op, where a branch would read the flag on the host: once the
+    host knows the layer has a history (`first` a Python False,
+    `fp8_layers/state.py`) the casts take the stored scales alone; before,
+    it computes the current scales from the amaxes and selects."""
     if call.scaling is None:
         return (None,) * len(tensors)
     amaxes = []
