@@ -35,6 +35,8 @@ import warnings
 
 import keras
 
+from keras_mp import _keras_internals
+
 # Whether PyTorch on a CPU multiplies FP8 codes with `torch._scaled_mm`
 # instead of float32 values on the FP8 grid (tests compare the two).
 SCALED_MM_ON_CPU = False
@@ -248,6 +250,19 @@ def has_torch_bit_ops(amax):
     import torch
 
     return isinstance(amax, torch.Tensor) and not torch.compiler.is_compiling()
+
+
+def torch_variable_tensor(variable):
+    """The torch tensor of the Keras `variable`, where PyTorch's eager
+    step may read and write it in place (`has_torch_bit_ops`, not in a
+    stateless scope, whose values are not the variable's); else None."""
+    if (
+        keras.backend.backend() != "torch"
+        or _keras_internals.in_stateless_scope()
+    ):
+        return None
+    value = variable.value
+    return value if has_torch_bit_ops(value) else None
 
 
 def torch_scale_from_amax(amax, exponent, carry, low, high):

@@ -34,17 +34,15 @@ How the amaxes reach the history on every backend, inside the step:
   backward is traced with the forward, so the layer reads it there, as a
   value of the step.
 
-Imports Keras, `keras_mp._keras_internals`, `keras_mp.backend` and its
-`keras_mp.fp8` siblings.
+Imports `keras.ops`, `keras_mp._keras_internals`, `keras_mp.backend` and
+its `keras_mp.fp8` siblings.
 """
 
 import collections
 
-import keras
 from keras import ops
 
 from keras_mp._keras_internals import constant
-from keras_mp._keras_internals import in_stateless_scope
 from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.backend import torch_delayed
 from keras_mp.fp8 import stats as stats_module
@@ -314,12 +312,11 @@ def write_loss_scale(carrier, loss_scale):
     """Writes the loss scale of the next step into the carrier variable
     `carrier` (`with_loss_scale`); on PyTorch's eager step in place, the
     one column (Keras's `assign` converts the whole carrier again)."""
-    if keras.backend.backend() == "torch" and not in_stateless_scope():
-        value = carrier.value
-        if backend_fp8.has_torch_bit_ops(value):
-            torch_delayed.write_loss_scale(value, loss_scale, LOSS_SCALE)
-            return
-    carrier.assign(with_loss_scale(carrier, loss_scale))
+    value = backend_fp8.torch_variable_tensor(carrier)
+    if value is None:
+        carrier.assign(with_loss_scale(carrier, loss_scale))
+    else:
+        torch_delayed.write_loss_scale(value, loss_scale, LOSS_SCALE)
 
 
 def with_loss_scale(carrier, loss_scale):

@@ -203,23 +203,10 @@ def stats_input(layer, recipe):
     carrier = stats_module.layer_carrier(layer)
     if carrier is None:
         return None
-    if keras.backend.backend() == "torch":
-        # PyTorch's eager step takes the variable's tensor itself (its
-        # gradient reaches it all the same): no copy of it each call.
-        value = _torch_tensor(carrier)
-        if value is not None:
-            return value
-    return stored(carrier)
-
-
-def _torch_tensor(variable):
-    """The torch tensor of a Keras variable, where PyTorch's eager step
-    may read and write it in place (not in a stateless scope, not while
-    `torch.compile` traces); else None."""
-    if _keras_internals.in_stateless_scope():
-        return None
-    value = variable.value
-    return value if backend_fp8.has_torch_bit_ops(value) else None
+    # PyTorch's eager step takes the variable's tensor itself (its gradient
+    # reaches it all the same): no copy of it each call.
+    value = backend_fp8.torch_variable_tensor(carrier)
+    return stored(carrier) if value is None else value
 
 
 def delayed_scaling(layer, recipe, carrier):
@@ -239,7 +226,7 @@ def delayed_scaling(layer, recipe, carrier):
         backend_fp8.has_torch_bit_ops(carrier)
         and not _keras_internals.in_stateless_scope()
     ):
-        return _torch_delayed_scaling(layer, recipe, carrier, state)
+        return _torch_delayed_scaling(recipe, carrier, state)
     history, steps = delayed_module.fold(
         stored(state["fp8_amax_history"]),
         stored(state["fp8_steps"]),
@@ -279,8 +266,9 @@ def _still(known, now):
     return folded or (then[0] is now[0] and then[1] == now[1])
 
 
-def _torch_delayed_scaling(layer, recipe, carrier, state):
-    """`delayed_scaling` on PyTorch's eager step, bit for bit: the state
+def _torch_delayed_scaling(recipe, carrier, state):
+    """`delayed_scaling` on PyTorch's eager step, bit for bit, `carrier`
+    being the carrier variable's own tensor (`stats_input`): the state
     read and written in place (Keras's `assign` and `copy` convert each
     tensor again), and the call's `Scaling.first` a Python False once the
     layer has folded a carrier, so that no call computes current scales
@@ -296,9 +284,8 @@ def _torch_delayed_scaling(layer, recipe, carrier, state):
 
     history = state["fp8_amax_history"].value
     steps = state["fp8_steps"].value
-    own_carrier = stats_module.layer_carrier(layer).value
     known = getattr(state["fp8_steps"], _HOST_FOLDS, None)
-    unchanged = _still(known, _versions(own_carrier, steps))
+    unchanged = _still(known, _versions(carrier, steps))
     history, folds, scaling = delayed_module.fold_and_scaling(
         history,
         steps,
@@ -317,6 +304,6 @@ def _torch_delayed_scaling(layer, recipe, carrier, state):
         steps.copy_(folds)
         state["fp8_scale"].value.copy_(scales)
     setattr(
-        state["fp8_steps"], _HOST_FOLDS, (folded, _versions(own_carrier, steps))
+        state["fp8_steps"], _HOST_FOLDS, (folded, _versions(carrier, steps))
     )
     return scaling
