@@ -20,7 +20,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GPU = ROOT / "benchmarks" / "gpu"
-SECTIONS = {"torch": "abcdeg", "jax": "abcf"}
+SECTIONS = {"torch": "abcdeg", "jax": "abcfg"}
 
 
 def _script():
@@ -63,6 +63,11 @@ def test_smoke_runs_every_section_and_writes_the_table(tmp_path):
         (row,) = result["sections"]["hlo"]["rows"]
         # Four FP8 Dense layers, three GEMMs each, before optimization.
         assert row["counts"]["fp8_dots_before_optimization"] == 12
+        # The compiled step's own peak (XLA), per kind of state.
+        (row,) = result["sections"]["state"]["rows"]
+        peaks = row["step_peak_mib"]
+        assert set(peaks) == {"float32", "bfloat16", "float8"}, peaks
+        assert all(peak > 0 for peak in peaks.values()), peaks
     else:
         (row,) = result["sections"]["policies"]["rows"]
         assert row["ratios"]["lso_vs_plain"] > 0
