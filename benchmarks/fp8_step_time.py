@@ -16,7 +16,11 @@ each its own copy of the same model (same seed):
 
 Every model is compiled and warmed up first; then, in each repeat, every
 variant runs `fit` for `--steps` steps, the order rotating between repeats
-so that machine load drifts evenly over them. The table shows each
+so that machine load drifts evenly over them. With `--loop train_on_batch`
+each repeat is instead `--steps` calls of `train_on_batch` on one batch of
+tensors made once: on TensorFlow on a 2-core CPU, `fit`'s input pipeline
+puts whole repeats at about 64 ms a step whatever the variant (a
+bimodal median), where `train_on_batch` is not. The table shows each
 variant's median ms/step and its ratio to mixed_bfloat16 and to
 keras_float8 (below 1 is faster), and delayed scaling's to current
 scaling's: the median over repeats of the two variants' times in the same
@@ -74,6 +78,14 @@ def parse_args(argv=None):
         "--dim", type=int, default=128, help="model width (a multiple of 128)"
     )
     parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument(
+        "--loop",
+        choices=("fit", "train_on_batch"),
+        default="fit",
+        help="fit: `fit` on NumPy arrays, --steps batches a repeat (the "
+        "default); train_on_batch: --steps calls on one batch of tensors "
+        "made once, without fit's input pipeline",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -174,12 +186,28 @@ def make_data(args, steps):
     return x, np.roll(x, -1, axis=1)
 
 
-def fit_seconds(model, data, args):
-    x, y = data
+def timed_inputs(args, steps):
+    """What one timed call trains on, `(x, y, calls)`: `make_data`'s
+    arrays for `fit` (calls None), or for `--loop train_on_batch` its first
+    batch as tensors, made once outside the timing, and `steps` calls."""
+    x, y = make_data(args, steps)
+    if args.loop == "fit":
+        return x, y, None
+    first = slice(0, args.batch_size)
+    tensors = [keras.ops.convert_to_tensor(a[first]) for a in (x, y)]
+    return (*tensors, steps)
+
+
+def fit_seconds(model, inputs, args):
+    x, y, calls = inputs
     start = time.perf_counter()
-    model.fit(
-        x, y, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=0
-    )
+    if calls is not None:
+        for _ in range(calls):
+            model.train_on_batch(x, y)
+    else:
+        model.fit(
+            x, y, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=0
+        )
     return time.perf_counter() - start
 
 
@@ -192,8 +220,8 @@ def run(args):
     for variant, model in models.items():
         layers = fp8_layers(model)
         print(f"{variant}: {len(layers)} FP8 layers {layers}")
-    data = make_data(args, args.steps)
-    warmup = make_data(args, 2)
+    data = timed_inputs(args, args.steps)
+    warmup = timed_inputs(args, 2)
     for model in models.values():
         fit_seconds(model, warmup, args)
     step_times = {variant: [] for variant in models}
@@ -213,7 +241,7 @@ def format_table(args, step_times):
         f"machine={describe_machine()} "
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')} "
         f"steps={args.steps} repeats={args.repeats} batch={args.batch_size} "
-        f"seq={args.seq_len} dim={args.dim}",
+        f"seq={args.seq_len} dim={args.dim} loop={args.loop}",
         f"{'variant':<24} {'median ms/step':>15} {'min ms/step':>12} "
         f"{'/mixed_bfloat16':>16} {'/keras_float8':>14}",
     ]

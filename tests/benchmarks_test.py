@@ -56,8 +56,13 @@ def smallest_flags(script):
 
 
 # Flags added on TensorFlow, where a benchmark can also compile its step
-# with XLA on request: one run checks both, with what it must then print.
-_ON_TENSORFLOW = {"optimizer_state_memory.py": (["--jit-compile"], "xla=True")}
+# with XLA or time another loop on request: one run checks both, with what
+# it must then print.
+_ON_TENSORFLOW = {
+    "optimizer_state_memory.py": (["--jit-compile"], "xla=True"),
+    # Its other loop, where TensorFlow's `fit` times are bimodal.
+    "fp8_step_time.py": (["--loop", "train_on_batch"], "loop=train_on_batch"),
+}
 
 
 def test_benchmarks_are_found():
