@@ -198,7 +198,9 @@ def timed_inputs(args, steps):
     return (*tensors, steps)
 
 
-def fit_seconds(model, inputs, args):
+def repeat_seconds(model, inputs, args):
+    """Seconds of one repeat: `fit` on the arrays, or the calls of
+    `train_on_batch` (`timed_inputs`)."""
     x, y, calls = inputs
     start = time.perf_counter()
     if calls is not None:
@@ -223,13 +225,13 @@ def run(args):
     data = timed_inputs(args, args.steps)
     warmup = timed_inputs(args, 2)
     for model in models.values():
-        fit_seconds(model, warmup, args)
+        repeat_seconds(model, warmup, args)
     step_times = {variant: [] for variant in models}
     keys = list(models)
     for repeat in range(args.repeats):
         shift = repeat % len(keys)
         for variant in keys[shift:] + keys[:shift]:
-            seconds = fit_seconds(models[variant], data, args)
+            seconds = repeat_seconds(models[variant], data, args)
             step_times[variant].append(seconds / args.steps)
     return step_times
 

@@ -732,9 +732,11 @@ def peak_gib():
     )
 
 
-def _rounded(values):
-    """`values` ({name: GiB or None}) to two decimals."""
-    return {n: (None if v is None else round(v, 2)) for n, v in values.items()}
+def _rounded(values, digits=2):
+    """`values` ({name: GiB, MiB or None}) to `digits` decimals."""
+    return {
+        n: (None if v is None else round(v, digits)) for n, v in values.items()
+    }
 
 
 def _joined(*notes):
@@ -1012,9 +1014,7 @@ def section_state(clock, smoke):
         state_bytes_per_param=state_bytes,
         resident_gib=_rounded(resident),
         peak_gib=_rounded(peaks),
-        step_peak_mib={
-            n: None if v is None else round(v, 1) for n, v in step_peaks.items()
-        },
+        step_peak_mib=_rounded(step_peaks, 1),
     )
 
 
