@@ -303,6 +303,20 @@ def keras_thread_policy():
     return global_state.get_global_attribute("dtype_policy", None)
 
 
+def keras_session():
+    """A token of Keras's current session: a new one after `clear_session`.
+
+    `keras.utils.clear_session` (`keras.backend.clear_session`, which
+    Keras's own `TestCase.setUp` calls) replaces the module attribute
+    `keras.src.backend.common.global_state.GLOBAL_STATE_TRACKER` with a
+    new `threading.local` (keras 3.0 - 3.15), and with it the global dtype
+    policy that `keras.config.set_dtype_policy` stored. Compared by
+    identity: the same object until the next `clear_session`, in every
+    thread.
+    """
+    return global_state.GLOBAL_STATE_TRACKER
+
+
 def install_checkpoint_save_guard(may_save):
     """Lets `may_save(callback)` veto a save of `keras.callbacks.ModelCheckpoint`.
 

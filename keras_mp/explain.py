@@ -16,6 +16,7 @@ from keras_mp import policy as policy_module
 from keras_mp.precision import PrecisionRules
 from keras_mp.precision import check_model
 from keras_mp.precision import fitted_policy
+from keras_mp.precision import given_dtype
 from keras_mp.precision import layer_path
 from keras_mp.precision import output_layers
 from keras_mp.precision import resolve_rules
@@ -112,7 +113,7 @@ def _reason(layer, policy, rules, is_output):
                 == getattr(policy, "output_dtype", policy.compute_dtype)
             ):
                 return str(rule)
-    if getattr(layer, "_keras_mp_dtype_argument", False):
+    if given_dtype(layer):
         return "dtype argument"
     return "global policy"
 

@@ -190,6 +190,16 @@ class Policy(keras.DTypePolicy):
         )
 
     def __eq__(self, other):
+        if type(other) in _KERAS_FLOAT_POLICIES:
+            # Keras's float policy of a name means what `Policy(name)` does
+            # (`compile` scales the loss under "mixed_float16" in both), and
+            # `keras.config.set_dtype_policy(keras.DTypePolicy(name))` gives
+            # `Policy(name)`: equal, from either side (Python asks the
+            # subclass first).
+            try:
+                other = Policy(other.name)
+            except ValueError:
+                return False
         if type(other) is not type(self) or self.name != other.name:
             return False
         if self._fp8 != other._fp8:
@@ -206,6 +216,12 @@ class Policy(keras.DTypePolicy):
         fp8 = "" if self._fp8 is None else f", fp8={self._fp8!r}"
         return f'<Policy "{self.name}", loss_scale={self._loss_scale!r}{fp8}>'
 
+
+# Keras's plain float policy classes (`FloatDTypePolicy` is Keras's older
+# name of `DTypePolicy`), not its quantized ones.
+_KERAS_FLOAT_POLICIES = tuple(
+    {keras.DTypePolicy, keras.dtype_policies.FloatDTypePolicy}
+)
 
 # Process-global, not thread-local: a layer built in a worker thread (a data
 # pipeline, a model server) must see the policy the main thread set. Only a
@@ -227,7 +243,16 @@ def _scoped_policy():
 
 def _process_policy():
     scoped = _scoped_policy()
-    return _global_policy if scoped is None else scoped
+    if scoped is not None:
+        return scoped
+    if (
+        _global_policy_session is not None
+        and _global_policy_session is not _keras_internals.keras_session()
+    ):
+        # Set with Keras's own setter, which `clear_session` undoes in
+        # Keras: so it does here.
+        _set_global_policy_unchecked(None)
+    return _global_policy
 
 
 def layer_policy(layer):
@@ -375,6 +400,15 @@ _global_fp8 = None
 # where an FP8 recipe is in use; `models.py` resolves it at `compile`).
 _global_skip_nonfinite = None
 _islands_resolver = None
+# The Keras session (`_keras_internals.keras_session`) in which the global
+# policy was set through Keras's own setter (`keras.config.set_dtype_policy`,
+# `keras.mixed_precision.set_global_policy`), or None. Keras forgets such a
+# policy at `keras.utils.clear_session()`, and keras_mp does the same, so
+# that importing keras_mp changes nothing Keras's own code relies on. A
+# policy of `keras_mp.set_global_policy` outlives `clear_session`, as
+# tf.keras's global policy did: it carries keras_mp's settings (FP8
+# recipe, float32 islands, `skip_nonfinite`) that Keras knows nothing of.
+_global_policy_session = None
 
 
 def _install_islands_resolver(resolver):
@@ -400,7 +434,9 @@ def set_global_policy(
 
     `keras.config.set_dtype_policy` (and its legacy name
     `keras.mixed_precision.set_global_policy`) set this same policy, and
-    like `set_global_policy(policy)` they turn the float32 islands off. Setting
+    like `set_global_policy(policy)` they turn the float32 islands off. As
+    in Keras, `keras.utils.clear_session()` forgets a policy set through
+    them; one set here outlives it, as tf.keras's global policy did. Setting
     a policy does not initialize the TensorFlow or JAX runtime: the hardware
     check runs when the first mixed layer is built.
 
@@ -492,19 +528,22 @@ def _set_from_keras(policy, keras_setter):
         keras_setter(policy)
         return
     _check_no_fp8(converted)
-    _set_global_policy_unchecked(converted)
+    _set_global_policy_unchecked(
+        converted, session=_keras_internals.keras_session()
+    )
 
 
 _keras_internals.install_global_policy_setter(_set_from_keras)
 
 
 def _set_global_policy_unchecked(
-    policy, float32_islands=None, fp8=None, skip_nonfinite=None
+    policy, float32_islands=None, fp8=None, skip_nonfinite=None, session=None
 ):
     global _global_policy, _global_float32_islands, _global_fp8
-    global _global_skip_nonfinite
+    global _global_skip_nonfinite, _global_policy_session
     with _global_policy_lock:
         _global_policy = policy
+        _global_policy_session = None if policy is None else session
         _global_float32_islands = float32_islands
         _global_fp8 = fp8
         _global_skip_nonfinite = skip_nonfinite

@@ -32,6 +32,7 @@ import functools
 import re
 import threading
 import warnings
+import weakref
 from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
@@ -407,6 +408,18 @@ def _in_force(dtype):
     return type(dtype) is type(current) and dtype == current
 
 
+# The layers whose policy came from their `dtype` argument, as
+# `explain_precision` names them. Kept beside the layers, not in them: Keras's
+# own tests (`run_class_serialization_test`) compare `dir(layer)` of a layer
+# and of its copy from `from_config`, which gets `dtype` as a config.
+_given_dtype = weakref.WeakSet()
+
+
+def given_dtype(layer):
+    """Whether `layer`'s policy came from a deliberate `dtype` argument."""
+    return layer in _given_dtype
+
+
 def _install_layer_init_hook():
     original = keras.layers.Layer.__init__
     if getattr(original, "_keras_mp_hook", False):
@@ -424,7 +437,7 @@ def _install_layer_init_hook():
         if explicit:
             # What `explain_precision` names: only such a layer's policy
             # came from a dtype argument.
-            self._keras_mp_dtype_argument = True
+            _given_dtype.add(self)
             fp8_layers.check_layer(self)
         rules = policy_module._global_float32_islands
         recipe = policy_module._global_fp8
@@ -653,7 +666,7 @@ def _record(obj):
                 index,
                 getattr(layer, "_keras_mp_precision_rule", None),
                 getattr(layer, "_keras_mp_fp8_reason", None),
-                getattr(layer, "_keras_mp_dtype_argument", False),
+                given_dtype(layer),
             ]
         )
     return {"policies": policies, "layers": entries}
@@ -702,7 +715,10 @@ def _restore(model, record):
         layer._keras_mp_fp8_reason = reason
         # As `explain_precision` named it when it was saved: a layer that
         # was given the model's policy as `dtype=` got it from the rules.
-        layer._keras_mp_dtype_argument = dtype_argument
+        if dtype_argument:
+            _given_dtype.add(layer)
+        else:
+            _given_dtype.discard(layer)
         layer._keras_mp_restored = True
     fp8_layers.check_model(model)
 

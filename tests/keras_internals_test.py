@@ -170,6 +170,13 @@ class TestGlobalPolicyLookup:
         _keras_internals.set_keras_thread_policy(None)
         assert keras.layers.Dense(1).compute_dtype == "float32"
 
+    def test_keras_session_is_one_token_until_clear_session(self):
+        session = _keras_internals.keras_session()
+        assert _keras_internals.keras_session() is session
+        assert _in_thread(_keras_internals.keras_session) is session
+        keras.utils.clear_session()
+        assert _keras_internals.keras_session() is not session
+
 
 class TestPolicyDeserialization:
     def test_hook_is_installed_once(self):

@@ -213,7 +213,42 @@ class TestPolicy:
             "mixed_float16"
         )
         assert keras_mp.Policy("float32") != keras_mp.Policy("float64")
-        assert keras_mp.Policy("float32") != keras.DTypePolicy("float32")
+
+    def test_equal_to_keras_float_policy_that_means_the_same(self):
+        # What `keras.config.set_dtype_policy(keras.DTypePolicy(name))`
+        # gives is `Policy(name)`; Keras's own tests compare the two.
+        for name in ("float32", "mixed_bfloat16", "mixed_float16"):
+            assert keras_mp.Policy(name) == keras.DTypePolicy(name)
+            assert keras.DTypePolicy(name) == keras_mp.Policy(name)
+        assert keras_mp.Policy("float32") != keras.DTypePolicy("float64")
+        # A loss scale or a recipe other than the name's own is a choice
+        # Keras's policy does not hold.
+        assert keras_mp.Policy("mixed_float16", None) != keras.DTypePolicy(
+            "mixed_float16"
+        )
+        assert keras_mp.Policy("float32", 8) != keras.DTypePolicy("float32")
+        assert keras_mp.Policy("mixed_bfloat16", fp8=True) != (
+            keras.DTypePolicy("mixed_bfloat16")
+        )
+        assert keras_mp.Policy("float32") != (
+            keras.dtype_policies.QuantizedDTypePolicy("int8", "float32")
+        )
+
+    def test_keras_clear_session_forgets_only_a_policy_keras_set(self):
+        # As in Keras: `clear_session` undoes `keras.config.set_dtype_policy`.
+        keras.config.set_dtype_policy("mixed_bfloat16")
+        assert keras_mp.global_policy().name == "mixed_bfloat16"
+        keras.utils.clear_session()
+        assert keras.config.dtype_policy().name == "float32"
+        assert keras_mp.global_policy().name == "float32"
+        assert keras.layers.Dense(2).compute_dtype == "float32"
+        # keras_mp's own global policy, with its recipe, outlives it.
+        keras_mp.set_global_policy("mixed_bfloat16", fp8=True)
+        keras.utils.clear_session()
+        assert keras.config.dtype_policy().name == "mixed_bfloat16"
+        layer = keras.layers.Dense(32)
+        layer.build((None, 32))
+        assert layer.dtype_policy.fp8 is not None
 
     def test_repr_shows_name_and_loss_scale(self):
         text = repr(keras_mp.Policy("mixed_float16", loss_scale=64))
