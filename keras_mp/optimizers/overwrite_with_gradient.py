@@ -4,7 +4,8 @@ Keras's float8 layers keep their scales and amax histories in variables with
 `overwrite_with_gradient=True`. The pipeline sets them apart once
 (`split_overwritten`); the rest of `keras_mp.optimizers` asks
 `overwrites_with_gradient`. `install_ema_exclusion` keeps them out of
-Keras's `use_ema` on every backend. Imports only `_keras_internals`.
+Keras's `use_ema` on every backend, and on JAX lets a `fit` follow one that
+ended with the EMA's finalize. Imports only `_keras_internals`.
 """
 
 import functools
@@ -51,7 +52,9 @@ def install_ema_exclusion():
     `keras.optimizers.Optimizer`, so plain optimizers and the ones inside
     keras_mp's wrappers alike average, overwrite and finalize only the
     other variables; an optimizer class that defines these methods itself
-    is left alone.
+    is left alone. The finalize also gives each weight a buffer apart from
+    its average's (`_unshare_buffers`), so that a second `fit` trains on
+    JAX.
     """
     base = keras.optimizers.Optimizer
     apply = base._backend_apply_gradients
@@ -67,22 +70,41 @@ def install_ema_exclusion():
     @functools.wraps(finalize)
     def finalize_variable_values(self, var_list):
         var_list = list(var_list)
+        pairs = []
         if self.use_ema and self.built:
             averages = _keras_internals.moving_averages(self)
             if len(averages) == len(var_list):
                 # Matched by position, as Keras matches them; a list of
                 # another length reaches Keras's own error as it is.
-                var_list = [
-                    variable
+                pairs = [
+                    (variable, average)
                     for variable, average in zip(var_list, averages)
                     if average is not None
                 ]
+                var_list = [variable for variable, _ in pairs]
         with _keras_internals.averaged_pairs_only(self):
-            return finalize(self, var_list)
+            finalize(self, var_list)
+        _unshare_buffers(pairs)
 
     _backend_apply_gradients._keras_mp_hook = True
     base._backend_apply_gradients = _backend_apply_gradients
     base.finalize_variable_values = finalize_variable_values
+
+
+def _unshare_buffers(pairs):
+    """Gives each finalized variable a buffer of its own.
+
+    Eagerly, JAX's `Variable.assign(average)` stores the average's own
+    array, so the weight and its average share one buffer. The next `fit`
+    donates both to its compiled step, which XLA refuses ("Attempt to
+    donate the same buffer twice"); Keras's trainer has already detached
+    every variable's value by then, and its `finalize_variable_values`
+    ends the `fit` with "'NoneType' object is not callable" (keras 3.15).
+    TensorFlow and PyTorch copy on assignment: nothing is shared there.
+    """
+    for variable, average in pairs:
+        if variable.value is average.value:
+            variable.assign(keras.ops.copy(average))
 
 
 install_ema_exclusion()
