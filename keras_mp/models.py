@@ -93,7 +93,7 @@ def skips_nonfinite(model):
     setting = policy_module.global_skip_nonfinite()
     if setting is not None:
         return setting
-    if policy_module._global_fp8 is not None:
+    if policy_module.global_fp8() is not None:
         return True
     return any(
         getattr(policy_module.layer_policy(layer), "fp8", None) is not None

@@ -553,37 +553,28 @@ def _set_global_policy_unchecked(
 
 
 @contextlib.contextmanager
-def _global_fp8_recipe(
-    recipe: recipe_module.Recipe | None,
-) -> Iterator[None]:
-    """Layers created inside take `recipe` as `set_global_policy(...,
-    fp8=recipe)` would give it them (`recommend_policy` builds its FP8
-    candidate so); the global recipe before is restored after."""
-    global _global_fp8
-    with _global_policy_lock:
-        previous, _global_fp8 = _global_fp8, recipe
-    try:
-        yield
-    finally:
-        with _global_policy_lock:
-            _global_fp8 = previous
-
-
-@contextlib.contextmanager
 def policy_scope(
     policy: Policy | keras.DTypePolicy | str | None,
+    float32_islands: Any = None,
+    fp8: recipe_module.Recipe | bool | None = None,
 ) -> Iterator[None]:
     """Context manager that sets the policy for this thread, then restores it.
 
-    The scoped policy is seen only by the thread that opened the scope (by
-    `global_policy()` and by layers created there); other threads keep
-    seeing the global policy, and on exit this thread sees again whatever
-    the scope replaced, even when the block raised or set the global
-    policy.
+    The scope is a `set_global_policy` for this thread alone: the scoped
+    policy, float32 islands and FP8 recipe are seen only by the thread
+    that opened the scope (by `global_policy()` and by layers created
+    there); other threads keep seeing the global ones, and on exit this
+    thread sees again whatever the scope replaced, even when the block
+    raised or set the global policy. Like `set_global_policy(policy)`, a
+    scope without `float32_islands` or `fp8` has none inside.
 
     Args:
         policy: Anything `set_global_policy` takes; None scopes the
             `keras.config.floatx()` default.
+        float32_islands: Precision rules, as `set_global_policy` takes
+            them. Defaults to None.
+        fp8: A `keras_mp.fp8.Recipe`, `True` or None, as
+            `set_global_policy` takes it. Defaults to None.
 
     Example:
 
@@ -592,14 +583,42 @@ def policy_scope(
     'mixed_bfloat16'
     >>> keras_mp.global_policy().name
     'float32'
+    >>> with keras_mp.policy_scope("mixed_bfloat16", fp8=True):
+    ...     layer = keras.layers.Dense(32)
+    ...     layer.build((None, 64))
+    >>> layer.dtype_policy.fp8.granularity
+    'tensorwise'
     """
+    # Every argument checked before anything changes.
     scoped = _FLOATX if policy is None else _checked(policy)
+    if float32_islands is not None:
+        float32_islands = _islands_resolver(float32_islands)
+    fp8 = recipe_module.get(fp8)
     previous = getattr(_scopes, "policy", None)
+    previous_settings = getattr(_scopes, "settings", None)
     previous_keras = _keras_internals.keras_thread_policy()
     _scopes.policy = scoped
+    _scopes.settings = (float32_islands, fp8)
     _keras_internals.set_keras_thread_policy(None)
     try:
         yield
     finally:
         _scopes.policy = previous
+        _scopes.settings = previous_settings
         _keras_internals.set_keras_thread_policy(previous_keras)
+
+
+def global_float32_islands():
+    """The float32 islands (a `PrecisionRules`) that layers created now
+    without a `dtype` follow, or None: this thread's `policy_scope`'s, else
+    the last `set_global_policy`'s."""
+    settings = getattr(_scopes, "settings", None)
+    return _global_float32_islands if settings is None else settings[0]
+
+
+def global_fp8():
+    """The FP8 recipe that `fp8.DEFAULT_RULES` give layers created now
+    without a `dtype`, or None: this thread's `policy_scope`'s, else the
+    last `set_global_policy`'s."""
+    settings = getattr(_scopes, "settings", None)
+    return _global_fp8 if settings is None else settings[1]

@@ -439,8 +439,8 @@ def _install_layer_init_hook():
             # came from a dtype argument.
             _given_dtype.add(self)
             fp8_layers.check_layer(self)
-        rules = policy_module._global_float32_islands
-        recipe = policy_module._global_fp8
+        rules = policy_module.global_float32_islands()
+        recipe = policy_module.global_fp8()
         if explicit or (rules is None and recipe is None):
             return
         self._keras_mp_islands = rules

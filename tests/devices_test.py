@@ -386,3 +386,112 @@ def test_warnings_point_to_recommend_policy():
     for name in ("mixed_float16", "mixed_bfloat16"):
         message = devices.compatibility_warning(name, [cpu])
         assert "keras_mp.recommend_policy()" in message
+
+
+H100 = _gpu("NVIDIA H100 80GB HBM3", (9, 0))
+L4 = _gpu("NVIDIA L4", (8, 9))
+B200 = _gpu("NVIDIA B200", (10, 0))
+_TENSORWISE = keras_mp.fp8.Recipe()
+_ROWWISE = keras_mp.fp8.Recipe(granularity="rowwise")
+_MXFP8 = keras_mp.fp8.Recipe(formats="mxfp8")
+_NVFP4 = keras_mp.fp8.Recipe(formats="nvfp4")
+
+
+class TestFp8IsAvailable:
+    @pytest.mark.parametrize(
+        "details, available",
+        [
+            # Transformer Engine's rules: FP8 GEMMs from compute
+            # capability 8.9, MXFP8 and NVFP4 from 10.0 (Blackwell).
+            ([B200], {"e4m3": True, "mxfp8": True, "nvfp4": True}),
+            ([H100], {"e4m3": True, "mxfp8": False, "nvfp4": False}),
+            ([L4], {"e4m3": True, "mxfp8": False, "nvfp4": False}),
+            ([A100], {"e4m3": False, "mxfp8": False, "nvfp4": False}),
+            ([H100, A100], {"e4m3": False, "mxfp8": False, "nvfp4": False}),
+            ([_cpu()], {"e4m3": False, "mxfp8": False, "nvfp4": False}),
+            ([_tpu()], {"e4m3": False, "mxfp8": False, "nvfp4": False}),
+        ],
+    )
+    def test_each_format_asks_for_its_own_tensor_cores(
+        self, fake_devices, details, available
+    ):
+        fake_devices(details)
+        recipes = {
+            "e4m3": (_TENSORWISE, _ROWWISE, True),
+            "mxfp8": (_MXFP8, keras_mp.fp8.Recipe(formats="mxfp8_hybrid")),
+            "nvfp4": (_NVFP4,),
+        }
+        for family, family_recipes in recipes.items():
+            for recipe in family_recipes:
+                answer, reason = keras_mp.fp8.is_available(
+                    recipe, return_reason=True
+                )
+                assert answer is available[family], (family, recipe)
+                assert keras_mp.fp8.is_available(recipe) is answer
+                assert (reason == "") is answer
+                if not answer:
+                    assert details[-1]["name"] in reason
+                    capability = "8.9" if family == "e4m3" else "10.0"
+                    assert f"compute capability {capability}" in reason
+
+    def test_block_formats_name_themselves_and_blackwell(self, fake_devices):
+        fake_devices([H100])
+        _, reason = keras_mp.fp8.is_available(_NVFP4, return_reason=True)
+        assert "NVFP4" in reason and "Blackwell" in reason
+        _, reason = keras_mp.fp8.is_available(_MXFP8, return_reason=True)
+        assert "MXFP8" in reason
+
+    def test_this_machine_answers_with_a_reason(self):
+        available, reason = keras_mp.fp8.is_available(return_reason=True)
+        assert isinstance(available, bool) and isinstance(reason, str)
+        if not available:
+            assert "compute capability 8.9" in reason
+
+    def test_config_dict_is_accepted(self, fake_devices):
+        fake_devices([B200])
+        assert keras_mp.fp8.is_available(_NVFP4.get_config())
+
+    @pytest.mark.parametrize("recipe", [None, False])
+    def test_no_recipe_is_refused(self, recipe):
+        with pytest.raises(ValueError, match="Received: recipe="):
+            keras_mp.fp8.is_available(recipe)
+
+    def test_return_reason_must_be_a_bool(self):
+        with pytest.raises(TypeError, match="return_reason"):
+            keras_mp.fp8.is_available(return_reason="yes")
+
+
+class TestBlockScaledWarningOnce:
+    def _build(self, recipe, units=32):
+        layer = keras.layers.Dense(
+            units, dtype=keras_mp.Policy("mixed_bfloat16", fp8=recipe)
+        )
+        layer.build((None, 64))
+
+    @pytest.mark.parametrize(
+        "recipe, name", [(_MXFP8, "MXFP8"), (_NVFP4, "NVFP4")]
+    )
+    def test_hopper_warns_once_that_block_gemms_are_emulated(
+        self, fake_devices, recipe, name
+    ):
+        fake_devices([H100])
+        first = _warnings_of(lambda: self._build(recipe))
+        fp8_warnings = [m for m in first if "FP8 compatibility check" in m]
+        assert len(fp8_warnings) == 1
+        assert name in fp8_warnings[0] and "NVIDIA H100" in fp8_warnings[0]
+        assert "keras_mp.fp8.is_available" in fp8_warnings[0]
+        again = _warnings_of(lambda: self._build(recipe))
+        assert not [m for m in again if "FP8 compatibility check" in m]
+
+    @pytest.mark.parametrize(
+        "details, recipe",
+        [([B200], _MXFP8), ([H100], _TENSORWISE), ([_cpu()], _NVFP4)],
+    )
+    def test_no_warning_where_nothing_is_emulated_on_a_gpu(
+        self, fake_devices, details, recipe
+    ):
+        # A CPU emulates every FP8 GEMM, which is_available says; the
+        # warning is for a GPU that has FP8 tensor cores but not these.
+        fake_devices(details)
+        caught = _warnings_of(lambda: self._build(recipe))
+        assert not [m for m in caught if "FP8 compatibility check" in m]

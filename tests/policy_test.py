@@ -518,6 +518,54 @@ class TestGlobalPolicyAcrossThreads:
             assert keras_mp.global_policy().name == "mixed_bfloat16"
         assert keras_mp.global_policy().name == "mixed_float16"
 
+    def test_scope_takes_fp8_and_float32_islands_like_set_global_policy(self):
+        def built(units=32, cls=keras.layers.Dense):
+            layer = cls(units) if cls is keras.layers.Dense else cls()
+            if cls is keras.layers.Dense:
+                layer.build((None, 64))
+            return layer
+
+        recipe = keras_mp.fp8.Recipe(granularity="rowwise")
+        with keras_mp.policy_scope(
+            "mixed_bfloat16", float32_islands="default", fp8=recipe
+        ):
+            assert built().dtype_policy.fp8 == recipe
+            assert built(cls=keras.layers.Softmax).compute_dtype == "float32"
+            # Only this thread's layers take them.
+            assert (
+                _in_thread(lambda: getattr(built().dtype_policy, "fp8", None))
+                is None
+            )
+        assert getattr(built().dtype_policy, "fp8", None) is None
+        assert built(cls=keras.layers.Softmax).compute_dtype == "float32"
+        # As `set_global_policy(policy)` does, a scope without them has
+        # none inside, and restores the global ones after.
+        keras_mp.set_global_policy("mixed_bfloat16", fp8=True)
+        with keras_mp.policy_scope("mixed_bfloat16"):
+            assert built().dtype_policy.fp8 is None
+            with keras_mp.policy_scope("mixed_bfloat16", fp8=recipe):
+                assert built().dtype_policy.fp8 == recipe
+            assert built().dtype_policy.fp8 is None
+        assert built().dtype_policy.fp8 == keras_mp.fp8.DEFAULT_RECIPE
+
+    @pytest.mark.parametrize(
+        "arguments, error",
+        [
+            ({"fp8": "yes"}, TypeError),
+            ({"float32_islands": "all"}, ValueError),
+            ({"fp8": {"granularity": "columnwise"}}, ValueError),
+        ],
+    )
+    def test_bad_scope_arguments_change_nothing(self, arguments, error):
+        keras_mp.set_global_policy("float64")
+        with (
+            pytest.raises(error),
+            keras_mp.policy_scope("mixed_bfloat16", **arguments),
+        ):
+            pass
+        assert keras_mp.global_policy().name == "float64"
+        assert keras.layers.Dense(2).compute_dtype == "float64"
+
 
 class TestOneSourceOfTruthWithKeras:
     @pytest.mark.parametrize(

@@ -186,6 +186,20 @@ def compatibility_warning(policy_name, details):
 _FP8_CAPABILITY = (8, 9)
 
 
+# Block-scaled tensor cores (MXFP8, NVFP4): NVIDIA Blackwell (10.0) and
+# later; Transformer Engine's `is_mxfp8_available` / `is_nvfp4_available`.
+_BLOCK_SCALED_CAPABILITY = (10, 0)
+
+
+def _all_gpus_from(details, capability):
+    return bool(details) and all(
+        d["kind"] == "gpu"
+        and d["compute_capability"] is not None
+        and d["compute_capability"] >= capability
+        for d in details
+    )
+
+
 def fp8_unsupported_reason(details):
     """Why FP8 GEMMs cannot pay on these devices, or None where they can.
 
@@ -197,12 +211,7 @@ def fp8_unsupported_reason(details):
         or higher (FP8 tensor cores), otherwise a sentence naming the
         devices found.
     """
-    if details and all(
-        d["kind"] == "gpu"
-        and d["compute_capability"] is not None
-        and d["compute_capability"] >= _FP8_CAPABILITY
-        for d in details
-    ):
+    if _all_gpus_from(details, _FP8_CAPABILITY):
         return None
     return (
         f"no FP8 tensor cores on {_describe(details)} (they need an NVIDIA "
@@ -210,6 +219,47 @@ def fp8_unsupported_reason(details):
         "elsewhere keras_mp computes FP8 GEMMs on 16- or 32-bit units, "
         "slower than bfloat16"
     )
+
+
+def block_scaled_unsupported_reason(details, format_name):
+    """Why `format_name`'s (MXFP8's, NVFP4's) GEMMs run emulated here, or
+    None where every device is a Blackwell GPU (compute capability 10.0+),
+    whose tensor cores take the block scales."""
+    if _all_gpus_from(details, _BLOCK_SCALED_CAPABILITY):
+        return None
+    return (
+        f"no {format_name} tensor cores on {_describe(details)} (they need "
+        "an NVIDIA GPU of compute capability 10.0 or higher: Blackwell); "
+        f"elsewhere keras_mp computes {format_name} GEMMs emulated, on FP8 "
+        "tensor cores with the block scales applied apart (Ada, Hopper) or "
+        "on 16- or 32-bit units, bit for bit the same and slower"
+    )
+
+
+def check_block_scaled_once(format_name):
+    """Warns once per process and format where a GPU lacks `format_name`'s
+    tensor cores (Ada, Hopper): its GEMMs run emulated there. Silent on a
+    machine without GPUs, where every FP8 GEMM is emulated, as
+    `keras_mp.fp8.is_available` says."""
+    key = ("block_scaled", format_name)
+    if key in _checked_policies:
+        return
+    _checked_policies.add(key)
+    details = device_details()
+    if not any(d["kind"] == "gpu" for d in details):
+        return
+    reason = block_scaled_unsupported_reason(details, format_name)
+    if reason is not None:
+        warnings.warn(
+            _lines(
+                f"FP8 compatibility check ({format_name}):",
+                reason + ".",
+                "keras_mp.fp8.is_available(recipe, return_reason=True) "
+                "answers per format.",
+            ),
+            UserWarning,
+            stacklevel=_caller_stacklevel(),
+        )
 
 
 def _lines(*lines):

@@ -6,6 +6,7 @@ Keras's float8 layers into keras_mp's FP8 layers (floor 4,
 `keras_mp/fp8_adopt.py`), is put here by `keras_mp/__init__.py`.
 """
 
+from keras_mp.fp8.availability import is_available
 from keras_mp.fp8.dot import dot
 from keras_mp.fp8.einsum import einsum
 from keras_mp.fp8.quantize import dequantize
@@ -28,6 +29,7 @@ __all__ = [
     "dequantize",
     "dot",
     "einsum",
+    "is_available",
     "quantize",
     "report",
 ]

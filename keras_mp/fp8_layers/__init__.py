@@ -45,6 +45,8 @@ import functools
 import keras
 
 from keras_mp import _keras_internals
+from keras_mp.backend import devices
+from keras_mp.fp8 import availability
 from keras_mp.fp8_layers import calls
 from keras_mp.fp8_layers import saving
 from keras_mp.fp8_layers.decisions import check_layer
@@ -96,6 +98,12 @@ def _build_hook(original):
         decide(self)
         check_layer(self)
         sync_stats_carrier(self)
+        recipe = layer_recipe(self)
+        if recipe is not None and recipe.formats in availability.BLOCK_SCALED:
+            # Said once: MXFP8's and NVFP4's GEMMs need Blackwell.
+            devices.check_block_scaled_once(
+                availability.BLOCK_SCALED[recipe.formats]
+            )
 
     build._keras_mp_hook = True
     return build

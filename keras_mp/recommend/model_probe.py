@@ -164,12 +164,12 @@ def _policy_of(name):
 def _building(name):
     """The policy, and for the FP8 candidate the global recipe, that the
     layers created inside take."""
-    with policy_module.policy_scope(_policy_of(name)):
-        if name != _FP8:
-            yield
-            return
-        with policy_module._global_fp8_recipe(fp8_module.DEFAULT_RECIPE):
-            yield
+    with policy_module.policy_scope(
+        _policy_of(name),
+        float32_islands=policy_module.global_float32_islands(),
+        fp8=fp8_module.DEFAULT_RECIPE if name == _FP8 else None,
+    ):
+        yield
 
 
 def _fp8_layers(built):
