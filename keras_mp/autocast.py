@@ -1,8 +1,5 @@
 """Autocasting variables: float32 storage, compute-dtype reads inside `call`.
 
-Imports from keras_mp only `_keras_internals`, `backend.devices`; nothing above
-its floor (see ARCHITECTURE.md).
-
 Keras 3 already casts a layer's float variables to the compute dtype while
 the layer runs (its `AutocastScope`). keras_mp makes that visible, as tf.keras
 did: every float weight that a layer with a casting policy creates through

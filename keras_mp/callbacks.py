@@ -1,9 +1,4 @@
-"""Callbacks that make loss scaling and FP8 visible in `fit` logs.
-
-Imports from keras_mp only `backend.training_state`, `fp8.report`,
-`optimizers.loss_scale_optimizer`, `optimizers.overflow`, `optimizers.wrapper`;
-nothing above its floor (see ARCHITECTURE.md).
-"""
+"""Callbacks that make loss scaling and FP8 visible in `fit` logs."""
 
 import contextlib
 import inspect

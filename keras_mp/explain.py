@@ -1,8 +1,4 @@
-"""`explain_precision`: each layer's dtypes, FP8 recipe, and why.
-
-Imports from keras_mp only `fp8_layers`, `policy`, `precision`; nothing
-above its floor (see ARCHITECTURE.md).
-"""
+"""`explain_precision`: each layer's dtypes, FP8 recipe, and why."""
 
 from __future__ import annotations
 

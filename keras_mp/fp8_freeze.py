@@ -7,9 +7,6 @@ float32 kernel is gone (MXFP8 and NVFP4 layers: their own codes and block
 scales, and no input scale). A frozen layer runs the same FP8 GEMM as in
 training, forward only, and saves and reloads (`.keras`, `.weights.h5`)
 as such.
-
-Imports from keras_mp only `_keras_internals`, `fp8`, `fp8_layers`,
-`policy`; nothing above its floor (see ARCHITECTURE.md).
 """
 
 import keras

@@ -1,9 +1,4 @@
-"""Loss scales: how much to multiply the loss by before taking gradients.
-
-Imports from keras_mp only `_config` and `_scaler_import`; nothing above
-its floor (see
-ARCHITECTURE.md).
-"""
+"""Loss scales: how much to multiply the loss by before taking gradients."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
 """Compile-time loss scaling: the one place that touches Keras's Trainer.
 
-Imports from keras_mp only `_keras_internals`, `backend.gradients`,
-`callbacks`, `optimizers.checkpointing`, `optimizers.loss_scale_optimizer`,
-`optimizers.wrapper`, `policy`; nothing above its floor (see ARCHITECTURE.md).
-
 With a keras_mp policy that has a loss scale, `Model.compile` wraps the
 optimizer in a `keras_mp.LossScaleOptimizer` holding a copy of that scale, on
 Sequential, functional and subclassed models alike; without one, where

@@ -1,8 +1,4 @@
-"""Dtype policies with a loss scale, and the process-global policy.
-
-Imports from keras_mp only `_keras_internals`, `fp8.recipe`, `loss_scale`,
-`policy_names`; nothing above its floor (see ARCHITECTURE.md).
-"""
+"""Dtype policies with a loss scale, and the process-global policy."""
 
 from __future__ import annotations
 

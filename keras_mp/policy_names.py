@@ -1,8 +1,5 @@
 """Policy names: the mixed names, dtype names and jmp-style specs that
 `keras_mp.Policy` takes, parsed into `(variable, compute, output)` dtypes.
-
-Imports from keras_mp only `backend.devices` (lazily, for `"half"`); nothing
-above its floor (see ARCHITECTURE.md).
 """
 
 MIXED_NAMES = ("mixed_float16", "mixed_bfloat16")

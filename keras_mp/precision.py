@@ -1,8 +1,5 @@
 """Precision rules: float32 islands in a mixed model, and the FP8 rules.
 
-Imports from keras_mp only `_keras_internals`, `autocast`, `fp8_layers`,
-`policy`; nothing above its floor (see ARCHITECTURE.md).
-
 Mixed precision is a per-layer decision. A few places lose too much in 16
 bits: a softmax over many classes, the logits a loss reads. tf.keras left
 them to a rule users had to remember ("put `dtype='float32'` on the last

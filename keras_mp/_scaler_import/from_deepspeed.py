@@ -1,8 +1,7 @@
 """`DynamicLossScale.from_deepspeed`: DeepSpeed's fp16 block and state.
 
-The body and docstring of the classmethod (the class is passed in as
-`cls`), and how DeepSpeed's algorithm differs from keras_mp's. Imports only
-`_scaler_import.checks`.
+The body and docstring of the classmethod (the class is passed in as `cls`),
+and how DeepSpeed's algorithm differs from keras_mp's.
 """
 
 from __future__ import annotations

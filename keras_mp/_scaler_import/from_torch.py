@@ -1,7 +1,6 @@
 """`DynamicLossScale.from_torch`: GradScaler, Lightning and apex state.
 
-The body and docstring of the classmethod (the class is passed in as
-`cls`). Imports only `_scaler_import.checks`.
+The body and docstring of the classmethod (the class is passed in as `cls`).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
 scratch buffers (a large variable into segments, small ones sharing a
 batch); `Batch` holds one batch's views of those buffers;
 `hash32_in_place` is the counter hash of stochastic rounding on int32
-tensors, in place. Used only by `fused_state_update.py`; imports only
-torch (inside the functions: the module loads on every backend).
+tensors, in place. Used only by `fused_state_update.py`; torch is
+imported inside the functions, as the module loads on every backend.
 """
 
 

@@ -7,8 +7,7 @@ Eager `keras.ops` allocate a fresh full-size tensor for each of the ~80
 operations of a step (a page-faulting pass each: 7 times the bfloat16
 state's step on a CPU); here the codes are decoded with one table lookup
 and every other operation runs in place on a slice of at most
-`_CHUNK_ELEMENTS` elements. Imports only `keras_mp._keras_internals` and
-`keras_mp._random_bits`.
+`_CHUNK_ELEMENTS` elements.
 """
 
 from keras_mp import _keras_internals

@@ -4,8 +4,7 @@
 the per-variable `update_step` with 16-bit slots, run as a few multi-tensor
 calls per batch of elements over cache-sized scratch buffers, bit-identical
 to that path. What `keras.ops` cannot express; the batches it runs over are
-in `fused_batches.py`. Imports only `keras_mp._keras_internals`,
-`keras_mp._random_bits` and `fused_batches.py`.
+in `fused_batches.py`.
 """
 
 from keras import ops

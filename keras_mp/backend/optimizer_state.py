@@ -2,8 +2,7 @@
 
 How a Keras optimizer's update is routed (through `update_step`, or torch's
 fused update in `fused_state_update.py`) and compiled with XLA on
-TensorFlow. Imports only `keras_mp._keras_internals`; never a module
-outside `keras_mp.backend`.
+TensorFlow.
 """
 
 import keras

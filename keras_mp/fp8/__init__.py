@@ -1,9 +1,7 @@
 """FP8 training: recipes, quantization and FP8 GEMMs on every backend.
 
-`keras_mp.fp8` sits on floor 3 beside `transforms/`: it imports only
-`keras_mp.backend` and floor 1 (see ARCHITECTURE.md). `adopt`, which turns
-Keras's float8 layers into keras_mp's FP8 layers (floor 4,
-`keras_mp/fp8_adopt.py`), is put here by `keras_mp/__init__.py`.
+`adopt`, which turns Keras's float8 layers into keras_mp's FP8 layers
+(floor 4, `keras_mp/fp8_adopt.py`), is put here by `keras_mp/__init__.py`.
 """
 
 from keras_mp.fp8.availability import is_available

@@ -10,9 +10,8 @@ a power of two is exact, so the only rounding is the cast to FP8, and a
 loss scale of `2**k` moves every scale by `2**k` and changes no code.
 
 These are the primitives every power-of-two quantizer
-(`keras_mp/fp8/quantizers/`) builds on: the scale of an amax, the codes
-of scaled values, and the operands a GEMM multiplies. Imports only
-`keras_mp.fp8.recipe` and `keras_mp.backend.fp8`.
+(`keras_mp/fp8/quantizers/`) builds on: the scale of an amax, the codes of
+scaled values, and the operands a GEMM multiplies.
 """
 
 import keras

@@ -11,8 +11,6 @@ summed. Scales are powers of two, so multiplying by them is exact and a
 loss scale passes through the backward GEMMs without changing a code.
 Given a statistics carrier (`stats.py`), the custom gradient also returns
 the statistics of the quantizations as the carrier's gradient.
-
-Imports only `keras_mp.backend` and its `keras_mp.fp8` siblings.
 """
 
 import math

@@ -7,8 +7,6 @@ becomes `[..., K]`, the kernel `[K, N]`, and the result is reshaped and
 transposed into the equation's output. Anything else (a batch letter in
 both operands and the output, a letter summed out of one operand, a
 repeated letter) raises a ValueError naming the equation.
-
-Imports only `keras_mp.backend` and its `keras_mp.fp8` siblings.
 """
 
 import math

@@ -15,8 +15,6 @@ eager, graph and `jit_compile=True` alike) flushes subnormal inputs and
 results of float arithmetic to zero, PyTorch does not, and the codes must
 be the same everywhere. Subnormal inputs, amaxes and dequantized values
 are therefore exact on every backend.
-
-Imports only `keras_mp.fp8.quantize` and `keras_mp.fp8.recipe`.
 """
 
 import numpy as np

@@ -26,8 +26,6 @@ NaN. A non-finite global amax (an inf or NaN in `x`, or a non-finite
 `tensor_amax`) gives a NaN tensor scale and NaN block scales everywhere:
 one scalar tells a step to skip. (Transformer Engine sets `S_enc = 1` for
 an infinite amax and quantizes the finite blocks as if nothing happened.)
-
-Imports only `keras_mp.backend.fp8` and `keras_mp.fp8.quantize`.
 """
 
 import keras

@@ -3,8 +3,6 @@
 The public entry points of `keras_mp/fp8/quantizers/`: each granularity's
 quantizer says how it tiles a tensor and undoes it; the codes and the
 power-of-two scales come from `codes.py`.
-
-Imports only `keras_mp.backend` and its `keras_mp.fp8` siblings.
 """
 
 import keras

@@ -3,7 +3,6 @@
 A recipe says which FP8 formats the operands take, how their scales are
 chosen and at what granularity, as Transformer Engine's
 `transformer_engine.common.recipe` does, without tying it to one framework.
-Imports only `keras_mp._config`.
 """
 
 import difflib

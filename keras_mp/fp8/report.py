@@ -7,8 +7,6 @@ scale that amax gets (for MXFP8: the E8M0 scale of the block holding it;
 for NVFP4: the block's E4M3 scale over the tensor scale, `448 / S_enc`,
 about `amax / 6`, as exact as the bin's amax), and the fractions of values
 saturated and flushed to zero.
-
-Imports only `keras_mp._keras_internals` and its `keras_mp.fp8` siblings.
 """
 
 import collections

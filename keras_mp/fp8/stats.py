@@ -37,9 +37,6 @@ replica and micro-step, the highest being the step's amax; the counts are
 the step's under the sum, and under the max those of the worst replica or
 micro-step. Counts are float32: exact up to 2**24 values per tensor,
 beyond that within a relative 2**-24 (fractions stay right).
-
-Imports only `keras_mp._keras_internals`, `keras_mp.backend` and
-`keras_mp.fp8.quantize`.
 """
 
 import math

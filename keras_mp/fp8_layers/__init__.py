@@ -1,10 +1,7 @@
 """FP8 GEMMs in Keras's `Dense` and `EinsumDense`, and the default FP8 rules
 applied to each layer.
 
-Imports from keras_mp only `_keras_internals`, `backend`, `fp8`,
-`policy` (and its own modules); nothing above its floor (see
-ARCHITECTURE.md). `precision.py`
-calls `decide` when it applies precision rules.
+`precision.py` calls `decide` when it applies precision rules.
 
 A `Dense` or `EinsumDense` whose policy (its own, or its entry in a
 `DTypePolicyMap`) is a `keras_mp.Policy` with an `fp8` recipe computes its

@@ -2,8 +2,7 @@
 
 `DelegationMixin`, a base of `OptimizerWrapper`: `learning_rate`,
 `iterations` and every hyperparameter of the inner optimizer resolve to the
-inner optimizer's, through attribute get, set and `dir()`. Imports only
-`keras_mp._keras_internals`; never another module of `keras_mp.optimizers`.
+inner optimizer's, through attribute get, set and `dir()`.
 """
 
 import sys

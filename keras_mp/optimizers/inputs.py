@@ -2,8 +2,7 @@
 
 The optimizer to wrap (`checked_inner_optimizer`) and the dtypes of the
 gradients it applies (`check_gradient_dtypes`), each refused with a message
-that names the fix. Imports only `keras_mp._keras_internals`; never a module
-of `optimizers/` (the wrapper imports it).
+that names the fix.
 """
 
 import keras

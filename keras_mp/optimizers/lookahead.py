@@ -1,8 +1,4 @@
-"""Lookahead: an optimizer wrapper written on the RFC 234 pipeline.
-
-Imports from keras_mp only `optimizers.overwrite_with_gradient`,
-`optimizers.wrapper`; nothing above its floor (see ARCHITECTURE.md).
-"""
+"""Lookahead: an optimizer wrapper written on the RFC 234 pipeline."""
 
 import numbers
 

@@ -5,7 +5,7 @@ Keras's float8 layers keep their scales and amax histories in variables with
 (`split_overwritten`); the rest of `keras_mp.optimizers` asks
 `overwrites_with_gradient`. `install_ema_exclusion` keeps them out of
 Keras's `use_ema` on every backend, and on JAX lets a `fit` follow one that
-ended with the EMA's finalize. Imports only `_keras_internals`.
+ended with the EMA's finalize.
 """
 
 import functools

@@ -1,9 +1,6 @@
 """The report: `PolicyRecommendation` and the texts of its `reason`.
 
 Also holds the dtypes and policies compared, in the order of the table.
-
-Imports only the standard library: nothing from keras or the rest of
-`keras_mp`, and nothing from the timing engine or the probes.
 """
 
 import dataclasses

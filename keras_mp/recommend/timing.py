@@ -3,9 +3,6 @@
 Generic over what is timed: runners by name, the first one the base. It
 measures rounds of samples, medians, ratios to the base and intervals
 around their medians, and chooses among candidates by a margin.
-
-Imports only the standard library: nothing from keras or the rest of
-`keras_mp`, and nothing from the probes or the report that use it.
 """
 
 import functools

@@ -1,9 +1,5 @@
 """Gradient transforms as named plug-ins, composed in order with `Chain`.
 
-Imports from keras_mp only `transforms.base`, `transforms.chain`,
-`transforms.clipping`, `transforms.noise`, `transforms.regularization`,
-`transforms.sanitize`; nothing above its floor (see ARCHITECTURE.md).
-
 A transform maps a list of `(gradient, variable)` pairs to a new one. It is
 given to `keras_mp.OptimizerWrapper(transform_gradients=[...])` as an
 instance, a registered name (`"clip_by_global_norm"`), a `(name, config)`

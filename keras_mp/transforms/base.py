@@ -5,8 +5,7 @@ same length and order, as optax's `GradientTransformation` maps gradient
 trees. Unlike optax's closures, a transform is an object with a config and
 state in Keras variables, so it serializes by name and travels through
 compiled steps (tf.function, XLA, `jax.jit` under `keras.StatelessScope`).
-`Chain`, `get` and (de)serialization are in `chain.py`. Imports only
-`keras_mp._config` and `keras_mp._keras_internals`.
+`Chain`, `get` and (de)serialization are in `chain.py`.
 """
 
 import functools

@@ -2,8 +2,7 @@
 
 `get` turns an instance, a registered name, a `(name, config)` pair or a
 plain callable (`CallableTransform`) into a transform; `Chain` runs them in
-order; `serialize`/`deserialize` go through Keras's registry. Imports only
-`transforms/base.py`; never a transform module or `keras_mp.optimizers`.
+order; `serialize`/`deserialize` go through Keras's registry.
 """
 
 import keras

@@ -1,8 +1,4 @@
-"""Gradient clipping transforms: by value, by norm, by global norm.
-
-Imports from keras_mp only `backend.gradients`, `transforms.base`; nothing
-above its floor (see ARCHITECTURE.md).
-"""
+"""Gradient clipping transforms: by value, by norm, by global norm."""
 
 import keras
 from keras import ops

@@ -1,8 +1,4 @@
-"""Noise transforms: Gaussian gradient noise.
-
-Imports from keras_mp only `transforms.base`; nothing above its floor (see
-ARCHITECTURE.md).
-"""
+"""Noise transforms: Gaussian gradient noise."""
 
 import numbers
 

@@ -1,8 +1,4 @@
-"""Regularizing transforms: gradient centralization, decoupled weight decay.
-
-Imports from keras_mp only `transforms.base`; nothing above its floor (see
-ARCHITECTURE.md).
-"""
+"""Regularizing transforms: gradient centralization, decoupled weight decay."""
 
 from keras import ops
 

@@ -1,8 +1,4 @@
-"""Sanitizing transforms: replacing non-finite gradient entries.
-
-Imports from keras_mp only `backend.gradients`, `transforms.base`; nothing
-above its floor (see ARCHITECTURE.md).
-"""
+"""Sanitizing transforms: replacing non-finite gradient entries."""
 
 from keras import ops
 

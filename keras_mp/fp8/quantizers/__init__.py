@@ -1,8 +1,5 @@
 """The quantizers `dot` asks per GEMM role: one object per format and
 scale granularity, one file each (`base.py` says what a quantizer is).
-
-Imports only `keras_mp._random_bits`, `keras_mp.backend` and its
-`keras_mp.fp8` siblings.
 """
 
 from keras_mp.fp8.quantizers.base import Call

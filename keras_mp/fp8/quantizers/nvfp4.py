@@ -29,9 +29,6 @@ Non-finite values are never hidden: a block holding inf or NaN
 dequantizes to NaN, and a non-finite tensor amax makes the whole operand
 NaN, so a non-finite output gradient keeps both gradients non-finite for a
 loss-scale skip to see.
-
-Imports only `keras_mp._random_bits`, `keras_mp.backend` and its
-`keras_mp.fp8` siblings.
 """
 
 from keras import ops
