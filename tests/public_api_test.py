@@ -121,7 +121,8 @@ def test_version_is_a_release_string_with_one_source():
     assert isinstance(version, str)
     assert re.fullmatch(r"\d+\.\d+\.\d+(\.dev\d+|rc\d+)?", version)
     # pyproject reads the version from keras_mp/__init__.py, and the
-    # changelog's newest heading names it.
+    # changelog's newest release heading names it (above it, an
+    # "Unreleased" heading may gather what the next release will say).
     root = pathlib.Path(keras_mp.__file__).resolve().parent
     pyproject = root.parent / "pyproject.toml"
     if pyproject.exists():  # a checkout, not an installed wheel
@@ -130,7 +131,7 @@ def test_version_is_a_release_string_with_one_source():
         assert 'version = { attr = "keras_mp.__version__" }' in text
         assert not re.search(r'^version = "', text, re.MULTILINE)
     changelog = (root / "CHANGELOG.md").read_text()
-    newest = re.search(r"^## (\S+)", changelog, re.MULTILINE)
+    newest = re.search(r"^## (?!Unreleased$)(\S+)", changelog, re.MULTILINE)
     assert newest.group(1) == version
 
 
