@@ -45,6 +45,7 @@ __all__ = [
     "in_stateless_scope",
     "install_call_hook",
     "install_checkpoint_save_guard",
+    "install_custom_compile_restore",
     "install_functional_init_hook",
     "install_global_policy_lookup",
     "install_global_policy_setter",
@@ -345,6 +346,43 @@ def install_checkpoint_save_guard(may_save):
 
     _save_model._keras_mp_hook = True
     checkpoint._save_model = _save_model
+
+
+def install_custom_compile_restore(restore):
+    """Lets `restore(model, config)` compile, on load, a model whose
+    `compile()` is custom.
+
+    `deserialize_keras_object` (keras 3.0 - 3.15) calls
+    `Trainer.compile_from_config(compile_config)` on the model it rebuilt,
+    after `build_from_config` and before `load_model` loads the variables
+    of the model and of its optimizer. For a class that overrides
+    `compile` (keras-hub's tasks), Keras's `compile_from_config` only
+    warns "`compile()` was not called as part of model loading", with the
+    same test as here (`self.__class__.compile != Trainer.compile`): the
+    model keeps what its constructor compiled, and the saved optimizer's
+    variables load only where their layout happens to match. Wrapped
+    here, such a model goes to `restore` first; where it returns True,
+    Keras's warning is left out. A class that overrides
+    `compile_from_config` itself never reaches the wrapper.
+
+    Args:
+        restore: Callable `(model, config) -> bool`, `config` the
+            serialized compile config; returns whether it handled it
+            (compiled the model, or warned that it could not).
+    """
+    original = Trainer.compile_from_config
+    if getattr(original, "_keras_mp_hook", False):
+        return
+
+    @functools.wraps(original)
+    def compile_from_config(self, config):
+        custom = self.__class__.compile != Trainer.compile
+        if custom and restore(self, config):
+            return None
+        return original(self, config)
+
+    compile_from_config._keras_mp_hook = True
+    Trainer.compile_from_config = compile_from_config
 
 
 def install_global_policy_lookup(process_policy):

@@ -12,6 +12,8 @@ callbacks, so `loss_scale` and `skipped_steps` reach the logs;
 `max_consecutive_skips`, `fit` also checks it at the end of each batch.
 `keras.callbacks.ModelCheckpoint` never writes a model whose weights or
 optimizer state hold an inf or NaN: it warns and skips that save.
+`keras.saving.load_model` calls a custom `compile()` (keras-hub's tasks)
+with the saved optimizer and arguments, which Keras does not.
 """
 
 import functools
@@ -192,6 +194,97 @@ def _install_compile_hook():
 
 
 _install_compile_hook()
+
+
+# `load_model`: a model with a custom `compile()` (keras-hub's tasks) gets
+# back the optimizer it was saved with.
+
+
+def compile_custom_on_load(model, config):
+    """Compiles `model`, whose `compile()` is custom, from its saved config.
+
+    Keras's `load_model` does not call a custom `compile()`: a keras-hub
+    task keeps the default optimizer its constructor compiled, and the
+    saved optimizer's variables load into it only where their layout
+    happens to match (a plain Adam's does; a `state_dtype`, master weights,
+    a transform's state or accumulation do not, and are dropped without a
+    word). Here the model's own `compile` is called with the saved
+    optimizer, loss, metrics and other arguments (keras-hub's `compile`
+    takes them all), and the optimizer is built, as Keras does for a model
+    whose `compile` is not custom, so that the variables `load_model` loads
+    next land in it. Where that fails (a `compile` that refuses the
+    arguments or raises), it warns with what was lost and the fix, and
+    the model is left as Keras left it.
+
+    Args:
+        model: The model `load_model` is rebuilding.
+        config: Its serialized compile config.
+
+    Returns:
+        Whether the config was handled (False where it holds no
+        optimizer: Keras's own warning then stands).
+    """
+    if not isinstance(config, dict) or config.get("optimizer") is None:
+        return False
+    try:
+        arguments = keras.saving.deserialize_keras_object(config)
+    except Exception as error:
+        _warn_optimizer_lost(model, config["optimizer"], error)
+        return True
+    optimizer = arguments.get("optimizer")
+    try:
+        inspect.signature(model.compile).bind(**arguments)
+    except TypeError as error:
+        _warn_optimizer_lost(model, optimizer, error)
+        return True
+    # A `compile` that raises halfway may have set some attributes: they
+    # are put back, so the model is as Keras left it, not half compiled.
+    before = dict(model.__dict__)
+    try:
+        model.compile(**arguments)
+        if model.built and getattr(model, "optimizer", None) is not None:
+            # Built now, as Keras's `compile_from_config` builds it: the
+            # saved variables then load into it by order.
+            model.optimizer.build(model.trainable_variables)
+    except Exception as error:
+        for name in set(model.__dict__) - set(before):
+            del model.__dict__[name]
+        model.__dict__.update(before)
+        _warn_optimizer_lost(model, optimizer, error)
+    return True
+
+
+def _describe_optimizer(optimizer):
+    """`LossScaleOptimizer(OptimizerWrapper(Adam))`, or a config's class."""
+    if isinstance(optimizer, dict):
+        return str(optimizer.get("class_name", optimizer))
+    names = []
+    while optimizer is not None:
+        names.append(type(optimizer).__name__)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return "(".join(names) + ")" * (len(names) - 1)
+
+
+def _warn_optimizer_lost(model, optimizer, error):
+    warnings.warn(
+        f"The model {model.name!r} was loaded without the optimizer it was "
+        f"saved with: its `compile()` is custom, so Keras does not call it "
+        f"on load, and keras_mp's call with the saved arguments failed "
+        f"({type(error).__name__}: {error}). Lost: the optimizer "
+        f"{_describe_optimizer(optimizer)} and its saved variables "
+        "(iterations, slots, and any wrapper's loss scale, low-precision "
+        "state, master weights, transform state or accumulators), which "
+        "load into the optimizer the model's constructor compiled only "
+        "where their layout matches. To resume training, call "
+        "`model.compile(optimizer=...)` yourself with the same optimizer "
+        "and arguments, then `model.load_weights(path)` with the saved "
+        "file, which loads the optimizer's variables too.",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+_keras_internals.install_custom_compile_restore(compile_custom_on_load)
 
 
 # `fit`: the loss scale in the logs (keras_mp.callbacks.LossScaleLogger).

@@ -7,6 +7,8 @@ model, so that an interrupted training resumes exactly as if it had never
 stopped, and must refuse a mismatched checkpoint before anything changes.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -299,10 +301,11 @@ class TaskLikeModel(keras.Model):
     """A model built as keras-hub builds its tasks (`BertTextClassifier`).
 
     Its constructor compiles with default arguments and it overrides
-    `compile`, so `load_model` does not compile it from the saved config
-    (Keras warns) and its optimizer is not built when the saved state
+    `compile`, so Keras's `load_model` does not compile it from the saved
+    config (it warns), and its optimizer is not built when the saved state
     loads. Checked on keras-hub 0.32 itself: without keras_mp a reloaded
     classifier resumed at iterations 0 with its default learning rate.
+    keras_mp calls this `compile` with the saved arguments instead.
     """
 
     def __init__(self, units=8, **kwargs):
@@ -337,9 +340,13 @@ def test_a_task_reloaded_with_load_model_resumes_exactly(policy, tmp_path):
     _fit(model, epochs=1)
     path = str(tmp_path / "task.keras")
     model.save(path)
-    with pytest.warns(UserWarning, match="compile"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         restored = keras.saving.load_model(path)
-    assert not restored.optimizer.built
+    # keras_mp called the custom `compile` with the saved optimizer and
+    # built it (Keras alone warns and keeps the constructor's Adam(1e-4)).
+    assert not [w for w in caught if "compile()" in str(w.message)]
+    assert restored.optimizer.built
     _fit(model, epochs=1)
     _fit(restored, epochs=1)
     assert int(to_numpy(restored.optimizer.iterations)) == 2 * STEPS_PER_EPOCH
@@ -350,3 +357,73 @@ def test_a_task_reloaded_with_load_model_resumes_exactly(policy, tmp_path):
         assert_close(a, b, msg=a.path)
     for a, b in zip(_plain_state(restored), _plain_state(model), strict=True):
         assert_close(a, b)
+
+
+@keras.saving.register_keras_serializable(package="keras_mp_tests")
+class StrictCompileTask(TaskLikeModel):
+    """A task whose `compile` refuses the arguments Keras saves."""
+
+    def compile(self, optimizer=None):
+        super().compile(optimizer=optimizer)
+
+
+@keras.saving.register_keras_serializable(package="keras_mp_tests")
+class FailingCompileTask(TaskLikeModel):
+    """A task whose `compile` fails halfway with the saved arguments
+    (after Keras's `compile` has set the optimizer)."""
+
+    def compile(self, optimizer=None, loss="mse", **kwargs):
+        super().compile(optimizer=optimizer, loss=loss, **kwargs)
+        if kwargs:
+            raise RuntimeError("this task cannot take the saved arguments")
+
+
+def _wrapped_adam():
+    return keras_mp.OptimizerWrapper(
+        keras.optimizers.Adam(0.01), state_dtype="bfloat16"
+    )
+
+
+@pytest.mark.parametrize("task", [StrictCompileTask, FailingCompileTask])
+def test_a_task_whose_compile_fails_on_load_warns_and_is_left_alone(
+    task, tmp_path
+):
+    keras.utils.set_random_seed(0)
+    model = task()
+    model.compile(_wrapped_adam())
+    _fit(model, epochs=1)
+    path = str(tmp_path / "task.keras")
+    model.save(path)
+    with pytest.warns(UserWarning, match="without the optimizer") as caught:
+        restored = keras.saving.load_model(path)
+    message = str(
+        next(
+            w for w in caught if "without the optimizer" in str(w.message)
+        ).message
+    )
+    # What was lost, why, and the fix.
+    assert "OptimizerWrapper(Adam)" in message
+    assert ("TypeError" if task is StrictCompileTask else "RuntimeError") in (
+        message
+    )
+    assert "model.load_weights(path)" in message
+    # As Keras left it: the constructor's optimizer, nothing half applied.
+    assert isinstance(restored.optimizer, keras.optimizers.Adam)
+    assert not isinstance(restored.optimizer, keras_mp.OptimizerWrapper)
+    assert float(to_numpy(restored.optimizer.learning_rate)) == (
+        pytest.approx(1e-4)
+    )
+    optimizer = restored._compile_config.config["optimizer"]
+    assert optimizer is restored.optimizer
+    # The fix the warning gives resumes exactly.
+    restored.compile(_wrapped_adam())
+    restored.load_weights(path)
+    _fit(model, epochs=1)
+    _fit(restored, epochs=1)
+    for a, b in zip(restored.weights, model.weights, strict=True):
+        assert_close(a, b, msg=a.path)
+    variables = zip(
+        restored.optimizer.variables, model.optimizer.variables, strict=True
+    )
+    for a, b in variables:
+        assert_bitwise_equal(a, b, msg=a.path)

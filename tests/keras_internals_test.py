@@ -300,3 +300,13 @@ def test_constant_is_made_once_on_torch_and_is_the_value_elsewhere():
         assert first == 0x7FFFFF
     assert keras.backend.standardize_dtype(vector.dtype) == "int32"
     assert keras.ops.convert_to_numpy(vector).tolist() == [1, 2]
+
+
+def test_custom_compile_restore_is_installed_once():
+    # `load_model` reaches keras_mp's restore of a custom `compile()`
+    # through `Trainer.compile_from_config`, replaced once.
+    trainer = _keras_internals.Trainer
+    hooked = trainer.compile_from_config
+    assert getattr(hooked, "_keras_mp_hook", False)
+    _keras_internals.install_custom_compile_restore(lambda model, config: True)
+    assert trainer.compile_from_config is hooked
