@@ -799,3 +799,45 @@ def test_tensorflow_custom_optimizer_with_16_bit_state_is_not_compiled():
     assert {str(v.dtype) for v in optimizer.inner_optimizer.momentums} == {
         "bfloat16"
     }
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [
+        lambda: keras.optimizers.Adam(1e-3),
+        lambda: keras.optimizers.AdamW(1e-3),
+        lambda: keras.optimizers.RMSprop(1e-3),
+    ],
+    ids=["Adam", "AdamW", "RMSprop"],
+)
+def test_float16_state_of_squared_gradients_warns_at_build(inner):
+    # (1 - beta_2) * g**2 flushes to zero in float16 for g under ~8e-3:
+    # the second moment stays 0 and the update is lr * m / epsilon.
+    variable = keras.Variable(np.ones((4,), "float32"))
+    optimizer = keras_mp.OptimizerWrapper(inner(), state_dtype="float16")
+    with pytest.warns(UserWarning, match="state_dtype='float16'.*'bfloat16'"):
+        optimizer.build([variable])
+    if isinstance(optimizer.inner_optimizer, keras.optimizers.Adam):
+        apply_as_fit(optimizer, [ops.full((4,), 1e-3)], [variable])
+        moved = 1.0 - to_numpy(variable)
+        # What the warning is about: Adam's first step moves a weight by
+        # about the learning rate, 1e-3; with the second moment flushed to
+        # 0 it moves by 1e-3 * sqrt(1e-3) / 0.1 * 1e-4 / 1e-7 = 0.316.
+        assert np.all(moved > 100 * 1e-3)
+
+
+@pytest.mark.parametrize(
+    "inner, state_dtype",
+    [
+        (lambda: keras.optimizers.SGD(0.1, momentum=0.9), "float16"),
+        (lambda: keras.optimizers.Adam(1e-3), "bfloat16"),
+    ],
+    ids=["SGD-float16", "Adam-bfloat16"],
+)
+def test_float16_state_of_momentum_alone_and_bfloat16_do_not_warn(
+    inner, state_dtype
+):
+    optimizer = keras_mp.OptimizerWrapper(inner(), state_dtype=state_dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.build([keras.Variable(np.ones((4,), "float32"))])

@@ -25,10 +25,21 @@ from keras_mp.optimizers import float8_state
 from keras_mp.optimizers.overwrite_with_gradient import overwrites_with_gradient
 
 # The dtypes `state_dtype` takes. float16 state only suits slots that stay
-# within its range (it flushes Adam's squared gradients below 6e-8 to zero);
-# bfloat16 has float32's range.
+# within its range (it flushes Adam's squared gradients below 6e-8 to zero,
+# and says so at build); bfloat16 has float32's range.
 _STATE_DTYPES = ("bfloat16", "float16", "float32", "float8")
 _HALF_DTYPES = ("bfloat16", "float16")
+# Keras's optimizers whose slots accumulate squared gradients, which float16
+# flushes to zero (`_build_state_precision` warns).
+_SQUARED_GRADIENT_OPTIMIZERS = (
+    keras.optimizers.Adam,
+    keras.optimizers.Nadam,
+    keras.optimizers.Lamb,
+    keras.optimizers.RMSprop,
+    keras.optimizers.Adagrad,
+    keras.optimizers.Adadelta,
+    keras.optimizers.Adafactor,
+)
 
 
 class StatePrecisionMixin:
@@ -236,6 +247,21 @@ class StatePrecisionMixin:
         Called by `build` before the inner optimizer is built, which then
         builds on the masters in place of their variables.
         """
+        if self._state_dtype == "float16" and isinstance(
+            self._inner_optimizer, _SQUARED_GRADIENT_OPTIMIZERS
+        ):
+            name = type(self._inner_optimizer).__name__
+            warnings.warn(
+                f"state_dtype='float16' on optimizer {self.name!r} keeps "
+                f"{name}'s accumulated squared gradients in float16, which "
+                "flushes values below 6e-8 to zero: with Adam's "
+                "(1 - beta_2) * g**2 that is every gradient under about "
+                "8e-3, and the update then divides by epsilon alone, "
+                "moving weights by far more than the learning rate. "
+                "Use state_dtype='bfloat16' (float32's range in the same "
+                "2 bytes) or 'float8' (Adam and AdamW).",
+                stacklevel=4,
+            )
         if self._stochastic_rounding:
             self._seed_generator = keras.random.SeedGenerator(
                 seed=self._stochastic_rounding_seed, name="stochastic_rounding"
