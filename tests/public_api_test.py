@@ -210,7 +210,7 @@ def _docstring_examples():
         "keras_mp.policy",
         "keras_mp.loss_scale",
         "keras_mp.autocast",
-        "keras_mp.precision",
+        "keras_mp.precision.rules",
         "keras_mp.explain",
         "keras_mp.fp8.rules",
     }

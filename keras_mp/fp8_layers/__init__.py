@@ -1,7 +1,7 @@
 """FP8 GEMMs in Keras's `Dense` and `EinsumDense`, and the default FP8 rules
 applied to each layer.
 
-`precision.py` calls `decide` when it applies precision rules.
+`precision/apply.py` calls `decide` when it applies precision rules.
 
 A `Dense` or `EinsumDense` whose policy (its own, or its entry in a
 `DTypePolicyMap`) is a `keras_mp.Policy` with an `fp8` recipe computes its
