@@ -29,31 +29,25 @@ from keras_mp.testing import run_python
 VOCAB, SEQ, SAMPLES, BATCH = 32, 8, 12, 4  # 3 steps an epoch
 
 
+# One tiny backbone shape for both tasks.
+_BACKBONE = dict(
+    vocabulary_size=VOCAB,
+    num_layers=1,
+    num_heads=2,
+    hidden_dim=16,
+    intermediate_dim=32,
+    dropout=0.0,
+    max_sequence_length=SEQ,
+)
+
+
 def _gpt2(dtype=None):
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=VOCAB,
-        num_layers=1,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-        dropout=0.0,
-        max_sequence_length=SEQ,
-        dtype=dtype,
-    )
+    backbone = keras_hub.models.GPT2Backbone(**_BACKBONE, dtype=dtype)
     return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
 
 
 def _bert(dtype=None):
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=1,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-        dropout=0.0,
-        max_sequence_length=SEQ,
-        dtype=dtype,
-    )
+    backbone = keras_hub.models.BertBackbone(**_BACKBONE, dtype=dtype)
     return keras_hub.models.BertTextClassifier(
         backbone=backbone, num_classes=2, preprocessor=None, dropout=0.0
     )
