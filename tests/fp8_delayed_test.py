@@ -610,7 +610,7 @@ def test_torchs_own_delayed_bookkeeping_gives_the_bits_of_keras_ops(
     loss scale, both amax algorithms, statistics with counts, and the
     state set back to its start (what the host knows of a layer's folds
     must follow the count)."""
-    from keras_mp.backend import torch_delayed
+    from keras_mp.backend.torch import delayed as torch_delayed
 
     recipes = [
         fp8.Recipe(scaling="delayed", amax_history=4),

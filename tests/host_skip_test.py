@@ -461,7 +461,7 @@ FUSED = {
 def test_opt_in_adam_is_torch_fused_kernel_within_its_stated_tolerance(
     inner, monkeypatch
 ):
-    from keras_mp.backend import fused_adam
+    from keras_mp.backend.torch import fused_adam
 
     calls = []
     update = fused_adam.update

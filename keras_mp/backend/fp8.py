@@ -588,7 +588,7 @@ def reads_16bit(x):
     (`has_layouts`), whose amax (`amax`) and casts
     (`torch_fp8_operands.encode`, of any of its `SOURCE_DTYPES`) read
     16-bit values and make each one float32 inside their pass."""
-    from keras_mp.backend import torch_fp8_operands
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
 
     dtype = keras.backend.standardize_dtype(x.dtype)
     return has_layouts(x) and dtype in torch_fp8_operands.SOURCE_DTYPES
@@ -597,7 +597,7 @@ def reads_16bit(x):
 def torch_gemm_operands(x, scale, fmt, layouts):
     """FP8 codes of `x / scale` in each layout, in one pass
     (`keras_mp.backend.torch_fp8_operands.encode`)."""
-    from keras_mp.backend import torch_fp8_operands
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
 
     return torch_fp8_operands.encode(x, scale, fmt, layouts)
 

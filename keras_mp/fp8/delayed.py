@@ -44,7 +44,7 @@ from keras import ops
 
 from keras_mp._keras_internals import constant
 from keras_mp.backend import fp8 as backend_fp8
-from keras_mp.backend import torch_delayed
+from keras_mp.backend.torch import delayed as torch_delayed
 from keras_mp.fp8 import stats as stats_module
 from keras_mp.fp8.codes import scale_from_amax
 

@@ -47,7 +47,7 @@ from keras import ops
 from keras_mp import _keras_internals
 from keras_mp._keras_internals import constant
 from keras_mp.backend import fp8 as backend_fp8
-from keras_mp.backend import torch_delayed
+from keras_mp.backend.torch import delayed as torch_delayed
 from keras_mp.fp8.codes import FORMATS
 
 TENSORS = ("input", "kernel", "output_gradient")

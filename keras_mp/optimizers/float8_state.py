@@ -30,7 +30,7 @@ from keras import ops
 
 from keras_mp import _random_bits
 from keras_mp.backend import fp8 as backend_fp8
-from keras_mp.backend import fused_float8_update
+from keras_mp.backend.torch import fused_float8_update
 from keras_mp.fp8 import codes as fp8_codes
 
 # Elements per block scale: COAT's group size. Float32 scales cost 4/128
