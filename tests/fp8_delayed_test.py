@@ -554,9 +554,9 @@ def _torch_delayed_run(recipes, torch_ops, monkeypatch):
     skip), the model's weights set back to their start before the sixth,
     with PyTorch's own ops for the delayed bookkeeping or with
     `keras.ops`."""
-    from keras_mp.backend import fp8 as backend_fp8
+    from keras_mp.backend.torch import ops as backend_torch_ops
 
-    monkeypatch.setattr(backend_fp8, "TORCH_BIT_OPS", torch_ops)
+    monkeypatch.setattr(backend_torch_ops, "BIT_OPS", torch_ops)
     keras.utils.set_random_seed(7)
     inputs = keras.Input((FEATURES,))
     twice = keras.layers.Dense(

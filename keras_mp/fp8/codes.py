@@ -19,6 +19,7 @@ from keras import ops
 
 from keras_mp._keras_internals import constant
 from keras_mp.backend import fp8 as backend_fp8
+from keras_mp.backend.torch import ops as torch_ops
 from keras_mp.fp8.recipe import check_choice
 
 # Format name -> (Keras dtype of the codes, largest finite value).
@@ -102,11 +103,11 @@ def scale_from_amax(amax, fmt="e4m3", margin=0):
     else:
         check_format(fmt)
         thresholds = _threshold(fmt, margin)
-    if backend_fp8.has_torch_bit_ops(amax):
+    if torch_ops.has_bit_ops(amax):
         # The same operations in torch itself: a third of `keras.ops`'
         # host time, which an eager GPU step spends for every tensor.
         exponent, carry = _torch_thresholds(thresholds)
-        return backend_fp8.torch_scale_from_amax(
+        return torch_ops.scale_from_amax(
             amax, exponent, carry, _MIN_EXPONENT, _MAX_EXPONENT
         )
     if isinstance(thresholds, list):

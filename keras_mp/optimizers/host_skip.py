@@ -21,8 +21,8 @@ from keras import ops
 
 from keras_mp import _keras_internals
 from keras_mp.backend import collectives
-from keras_mp.backend.torch import fused_adam
 from keras_mp.backend import gradients as backend_gradients
+from keras_mp.backend.torch import fused_adam
 from keras_mp.optimizers import overflow
 from keras_mp.optimizers.overwrite_with_gradient import overwrites_with_gradient
 
