@@ -1,4 +1,4 @@
-"""`keras_mp.backend.torch_fp8_operands`: PyTorch's FP8 GEMM operands
+"""`keras_mp.backend.torch.fp8_operands`: PyTorch's FP8 GEMM operands
 written in both layouts in one pass, bit for bit the oracle's codes.
 
 Each implementation (the eager copies, `torch.compile`, the Triton kernel

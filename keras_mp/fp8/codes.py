@@ -65,7 +65,7 @@ def _threshold(fmt, margin):
 
 def _torch_thresholds(thresholds):
     """`(exponent, carry)` of `_threshold`'s `(exponent, mantissa)` (or a
-    list of them, as int32 vectors) for `torch_scale_from_amax`: `carry`
+    list of them, as int32 vectors) for `torch_ops.scale_from_amax`: `carry`
     is `0x7FFFFF - mantissa`."""
     if isinstance(thresholds, list):
         return (
@@ -162,7 +162,7 @@ def gemm_operands(x, scale, fmt, layouts):
     that takes `x` as its B, or `x^T` as its A). Where the layout of a
     2-D operand matters (PyTorch's FP8 codes: cuBLASLt takes a row-major
     A and a column-major B), each is written in one pass with the cast
-    (`keras_mp.backend.torch_fp8_operands`); elsewhere one tensor serves
+    (`keras_mp.backend.torch.fp8_operands`); elsewhere one tensor serves
     every layout."""
     if backend_fp8.rounds_to_values(x):
         values = backend_fp8.round_to_format(x, scale, fmt, FORMATS[fmt][1])

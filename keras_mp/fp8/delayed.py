@@ -167,7 +167,7 @@ def scaling(history, folds, carrier, recipe):
 
 def fold_and_scaling(history, folds, carrier, recipe, first=None):
     """PyTorch's `fold`, then the call's `scaling`, sharing their reads of
-    the carrier (`has_torch_bit_ops`): `(history, folds, Scaling)`.
+    the carrier (`torch_ops.has_bit_ops`): `(history, folds, Scaling)`.
     `first`, where the caller knows it (a Python bool), is the Scaling's
     as it is."""
     history, folds, parity, loss_scale = _torch_fold(history, folds, carrier)
@@ -283,7 +283,7 @@ def carrier_gradient_of_amaxes(amaxes, sizes, scaling):
     """`carrier_gradient` of statistics rows without counts, made from
     the three tensors' amaxes and sizes at once: PyTorch's (a handful of
     eager ops where each row took a dozen; `keras_mp.fp8.dot` calls it
-    where `has_torch_bit_ops`).
+    where `torch_ops.has_bit_ops`).
 
     Args:
         amaxes: The float32 amaxes of the input, the kernel and the output

@@ -321,7 +321,7 @@ class Float8Slots:
 
     def _update_in_place(self, gradient, variable, coefficients):
         """PyTorch: the update of `update_step` in place, bit for bit
-        (`backend/fused_float8_update.py`); returns whether it ran."""
+        (`backend/torch/fused_float8_update.py`); returns whether it ran."""
         optimizer = self._optimizer
         if keras.backend.backend() != "torch" or optimizer.amsgrad:
             return False
