@@ -554,9 +554,9 @@ def _torch_delayed_run(recipes, torch_ops, monkeypatch):
     skip), the model's weights set back to their start before the sixth,
     with PyTorch's own ops for the delayed bookkeeping or with
     `keras.ops`."""
-    from keras_mp.backend import fp8 as backend_fp8
+    from keras_mp.backend.torch import ops as backend_torch_ops
 
-    monkeypatch.setattr(backend_fp8, "TORCH_BIT_OPS", torch_ops)
+    monkeypatch.setattr(backend_torch_ops, "BIT_OPS", torch_ops)
     keras.utils.set_random_seed(7)
     inputs = keras.Input((FEATURES,))
     twice = keras.layers.Dense(
@@ -610,7 +610,7 @@ def test_torchs_own_delayed_bookkeeping_gives_the_bits_of_keras_ops(
     loss scale, both amax algorithms, statistics with counts, and the
     state set back to its start (what the host knows of a layer's folds
     must follow the count)."""
-    from keras_mp.backend import torch_delayed
+    from keras_mp.backend.torch import delayed as torch_delayed
 
     recipes = [
         fp8.Recipe(scaling="delayed", amax_history=4),

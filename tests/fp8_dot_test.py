@@ -296,7 +296,7 @@ def test_torch_codes_of_16bit_inputs_are_made_without_a_float32_copy(
     import torch
 
     from keras_mp.backend import fp8 as backend_fp8
-    from keras_mp.backend import torch_fp8_operands
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
 
     x, kernel, g = _operands(16, 32, 48)
     x, g = x.astype(dtype), g.astype(dtype)

@@ -278,7 +278,7 @@ def test_torch_quantizes_each_kernel_once_per_optimizer_step(
     kernel's FP8 codes until the optimizer updates it; training gives the
     bits of quantizing the kernel at every call."""
     quantizer_base = importlib.import_module("keras_mp.fp8.quantizers.base")
-    from keras_mp.backend import fp8 as backend_fp8
+    from keras_mp.backend.torch import versions as torch_versions
 
     policy = keras_mp.Policy("float32", fp8=True)
     x = _rng().normal(size=(64, 32)).astype("float32")
@@ -313,7 +313,7 @@ def test_torch_quantizes_each_kernel_once_per_optimizer_step(
     # first micro-step and again after each update.
     assert len(counted) == 2, counted
     monkeypatch.setattr(
-        backend_fp8, "reuse", lambda tensor, key, compute: compute()
+        torch_versions, "reuse", lambda tensor, key, compute: compute()
     )
     counted.clear()
     fresh = train()

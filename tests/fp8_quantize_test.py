@@ -296,7 +296,7 @@ def test_torchs_own_scale_from_amax_gives_the_bits_of_keras_ops(monkeypatch):
     NaN, for each format and margin, one format or one per value."""
     import torch
 
-    from keras_mp.backend import fp8 as backend_fp8
+    from keras_mp.backend.torch import ops as torch_ops
     from keras_mp.fp8.codes import scale_from_amax
 
     exponents = np.arange(256, dtype=np.uint32) << 23
@@ -316,18 +316,18 @@ def test_torchs_own_scale_from_amax_gives_the_bits_of_keras_ops(monkeypatch):
     amax = torch.from_numpy(bits.view(np.float32).copy()).reshape(-1, 3)
     formats = ("e4m3", "e5m2", "e4m3")
     calls = []
-    own = backend_fp8.torch_scale_from_amax
+    own = torch_ops.scale_from_amax
 
     def counting(*args):
         calls.append(1)
         return own(*args)
 
-    monkeypatch.setattr(backend_fp8, "torch_scale_from_amax", counting)
+    monkeypatch.setattr(torch_ops, "scale_from_amax", counting)
     for fmt in ("e4m3", "e5m2", formats):
         for margin in (0, 1, 3):
-            monkeypatch.setattr(backend_fp8, "TORCH_BIT_OPS", True)
+            monkeypatch.setattr(torch_ops, "BIT_OPS", True)
             fast = scale_from_amax(amax, fmt, margin)
-            monkeypatch.setattr(backend_fp8, "TORCH_BIT_OPS", False)
+            monkeypatch.setattr(torch_ops, "BIT_OPS", False)
             generic = scale_from_amax(amax, fmt, margin)
             np.testing.assert_array_equal(
                 fast.view(torch.int32).numpy(),

@@ -338,8 +338,8 @@ def test_transform_gradients_override_sees_unscaled_gradients(skip_on_device):
 def test_entry_points_agree_through_an_overflow(inner, skip_on_device):
     # apply, apply_gradients, minimize and stateless_apply: one update
     # (stateless_apply with skip_on_device never takes torch's fused Adam,
-    # whose arithmetic differs from Keras's within `backend/fused_adam.py`'s
-    # tolerance).
+    # whose arithmetic differs from Keras's within
+    # `backend/torch/fused_adam.py`'s tolerance).
     import torch
 
     grads_per_step = [_grads(0), _grads(1, np.nan), _grads(2)]
@@ -461,7 +461,7 @@ FUSED = {
 def test_opt_in_adam_is_torch_fused_kernel_within_its_stated_tolerance(
     inner, monkeypatch
 ):
-    from keras_mp.backend import fused_adam
+    from keras_mp.backend.torch import fused_adam
 
     calls = []
     update = fused_adam.update
@@ -488,8 +488,8 @@ def test_opt_in_adam_is_torch_fused_kernel_within_its_stated_tolerance(
     assert len(calls) == 50
     (weights, state), (fused_weights, fused_state) = results
     # Torch adds epsilon after the bias correction (see
-    # `backend/fused_adam.py`): each update (here 0.01 at most per entry)
-    # differs from Keras's by a relative epsilon / (sqrt(v) + epsilon),
+    # `backend/torch/fused_adam.py`): each update (here 0.01 at most per
+    # entry) differs from Keras's by a relative epsilon / (sqrt(v) + epsilon),
     # below 2e-5 for these gradients of order 0.01 to 1, so 49 updates
     # stay within 1e-5 of Keras's weights; the moments differ by float32
     # rounding (torch's `lerp`), the counters and the scale not at all.

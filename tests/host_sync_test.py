@@ -228,7 +228,7 @@ def test_torch_delayed_layers_read_their_fold_count_only_until_they_fold(
     count is written (here `set_weights`); then never, and its calls make
     no current scale."""
     from keras_mp.backend import fp8 as backend_fp8
-    from keras_mp.backend import torch_delayed
+    from keras_mp.backend.torch import delayed as torch_delayed
 
     monkeypatch.setattr(backend_fp8, "SCALED_MM_ON_CPU", True)
     firsts = []

@@ -372,7 +372,7 @@ def test_bad_float8_arguments_raise():
 def test_torch_in_place_update_is_bit_identical_to_keras_ops(
     stochastic, monkeypatch
 ):
-    from keras_mp.backend import fused_float8_update
+    from keras_mp.backend.torch import fused_float8_update
 
     # Chunks of 256 elements: the 1000-element slot spans four, the last
     # one with a short block; the 3-element slot is one short block.

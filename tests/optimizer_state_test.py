@@ -544,7 +544,7 @@ FUSED_OPTIMIZERS = {
 
 def _record_fused_updates(monkeypatch):
     """Records what each fused update returned (True: it ran)."""
-    from keras_mp.backend import fused_state_update
+    from keras_mp.backend.torch import fused_state_update
 
     results = []
     call = fused_state_update.FusedStateUpdate.__call__
@@ -591,7 +591,7 @@ def _train_mixed_shapes(optimizer, steps=4):
 def test_torch_fused_update_is_bit_identical_to_the_update_step_path(
     monkeypatch, name, state_dtype, stochastic_rounding
 ):
-    from keras_mp.backend import fused_state_update
+    from keras_mp.backend.torch import fused_state_update
 
     # Batches of 64 elements: the (300,) variable spans several batches and
     # the small ones share batches, as large and small variables do in a
@@ -634,7 +634,7 @@ def test_torch_fused_update_is_bit_identical_to_the_update_step_path(
 def test_torch_fused_update_with_master_weights_matches_the_generic_path(
     monkeypatch,
 ):
-    from keras_mp.backend import fused_state_update
+    from keras_mp.backend.torch import fused_state_update
 
     results = _record_fused_updates(monkeypatch)
 

@@ -16,6 +16,7 @@ import pytest
 
 from keras_mp import fp8
 from keras_mp.backend import fp8 as backend_fp8
+from keras_mp.backend import gradients as backend_gradients
 from keras_mp.fp8 import quantizers
 
 pytestmark = pytest.mark.backends("torch")
@@ -111,18 +112,18 @@ def test_gradients_equal_those_of_keras_custom_gradient(codes_path):
     # The same closures through Keras's own PyTorch `custom_gradient`.
     grads = {}
     for name, decorator in (
-        ("keras_mp", backend_fp8.custom_gradient),
+        ("keras_mp", backend_gradients.custom_gradient),
         ("keras", keras.ops.custom_gradient),
     ):
         x, w = _operands()
-        original = backend_fp8.custom_gradient
-        backend_fp8.custom_gradient = decorator
+        original = backend_gradients.custom_gradient
+        backend_gradients.custom_gradient = decorator
         try:
             y = fp8.dot(
                 x.to(torch.bfloat16), w, fp8.Recipe(), output_dtype="float32"
             )
         finally:
-            backend_fp8.custom_gradient = original
+            backend_gradients.custom_gradient = original
         (y * torch.linspace(-1, 1, N)).sum().backward()
         grads[name] = (y.detach(), x.grad, w.grad)
     for ours, theirs in zip(grads["keras_mp"], grads["keras"]):

@@ -1,4 +1,4 @@
-"""`keras_mp.backend.torch_fp8_operands`: PyTorch's FP8 GEMM operands
+"""`keras_mp.backend.torch.fp8_operands`: PyTorch's FP8 GEMM operands
 written in both layouts in one pass, bit for bit the oracle's codes.
 
 Each implementation (the eager copies, `torch.compile`, the Triton kernel
@@ -71,7 +71,7 @@ def test_both_layouts_hold_the_oracles_codes_bit_for_bit(
     oracle takes their values in float32)."""
     import torch
 
-    from keras_mp.backend import torch_fp8_operands
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
     from keras_mp.fp8.codes import encode
 
     monkeypatch.setattr(torch_fp8_operands, "FORCED", implementation)
@@ -104,7 +104,7 @@ _TRITON_SCRIPT = textwrap.dedent(
     import numpy as np
     import torch
 
-    from keras_mp.backend import torch_fp8_operands
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
 
     torch_fp8_operands.FORCED = "triton"
     rng = np.random.default_rng(0)
@@ -178,7 +178,7 @@ def test_the_triton_kernel_writes_both_layouts_under_the_interpreter():
 def test_a_failing_implementation_warns_and_hands_over(monkeypatch):
     import torch
 
-    from keras_mp.backend import torch_fp8_operands
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
 
     monkeypatch.setattr(torch_fp8_operands, "_failed", set())
 
@@ -221,7 +221,7 @@ def test_a_failing_implementation_warns_and_hands_over(monkeypatch):
 def test_bad_operands_raise_naming_the_fix(shape, layouts, match):
     import torch
 
-    from keras_mp.backend import torch_fp8_operands
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
 
     fmt = "e3m4" if match == "fmt" else "e4m3"
     with pytest.raises(ValueError, match=match):
@@ -234,7 +234,7 @@ def test_triton_is_never_imported_after_tensorflow(monkeypatch):
     """Importing Triton in a process that loaded TensorFlow aborts it (the
     two LLVMs' options clash): with TensorFlow loaded, CUDA operands are
     written by copies, neither the Triton kernel nor Inductor's."""
-    from keras_mp.backend import torch_fp8_operands
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
 
     monkeypatch.setattr(torch_fp8_operands, "triton_available", lambda: True)
     monkeypatch.setitem(sys.modules, "tensorflow", types.ModuleType("tf"))

@@ -393,7 +393,7 @@ def _quantize_functions(x):
             return y.to(torch.float8_e4m3fn), col
 
         from keras_mp.backend import fp8 as backend_fp8
-        from keras_mp.backend import torch_fp8_operands
+        from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
 
         def amax():
             return backend_fp8.amax(x, None)
@@ -469,7 +469,7 @@ def section_quantize(clock, smoke):
 
 def _with_tile(block, warps, function):
     """`function()` with the Triton kernel's tile and warps set to these."""
-    from keras_mp.backend import torch_fp8_operands as operands
+    from keras_mp.backend.torch import fp8_operands as operands
 
     saved = operands.TRITON_BLOCK, operands.TRITON_WARPS
     operands.TRITON_BLOCK, operands.TRITON_WARPS = block, warps
@@ -488,7 +488,7 @@ def operands_check():
     import numpy as np
     import torch
 
-    from keras_mp.backend import torch_fp8_operands
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     patterns = np.arange(2**16, dtype=np.uint32) << 16
@@ -522,7 +522,7 @@ def _operand_format(fmt):
     """`encode_layouts`' `(fmax, dtype, keeps_inf)` of `fmt`."""
     import torch
 
-    from keras_mp.backend import torch_fp8_operands
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
 
     name, fmax, keeps_inf = torch_fp8_operands._FORMATS[fmt]
     return fmax, getattr(torch, name), keeps_inf
@@ -1312,7 +1312,7 @@ def run(args):
         # Which FP8 operand path served, and which failed to build.
         import torch
 
-        from keras_mp.backend import torch_fp8_operands
+        from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         probe = torch.zeros((16, 16), device=device)

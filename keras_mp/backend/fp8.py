@@ -26,16 +26,13 @@ On a CPU the sums are float32 sums. A GPU's FP8 tensor cores (JAX's XLA,
 torch's `_scaled_mm`) accumulate with fewer bits: on an H100 the tests'
 products were within 2.2e-3 of the sum of |products| (forward, E4M3 x E4M3:
 2.2e-4), against float32 rounding (1e-6 of it) on a CPU.
-
-Imports nothing from keras_mp.
 """
 
-import functools
 import warnings
 
 import keras
 
-from keras_mp import _keras_internals
+from keras_mp.backend.torch import ops as torch_ops
 
 # Whether PyTorch on a CPU multiplies FP8 codes with `torch._scaled_mm`
 # instead of float32 values on the FP8 grid (tests compare the two).
@@ -153,198 +150,10 @@ def amax(x, axis):
     so it is made inf on the reduced result, one pass fewer.
     """
     if keras.backend.backend() == "torch":
-        return _torch_amax(x, axis)
+        return torch_ops.amax(x, axis)
     ops = keras.ops
     magnitude = ops.where(ops.isnan(x), float("inf"), ops.abs(x))
     return ops.max(magnitude, axis=axis, keepdims=True)
-
-
-def _torch_amax(x, axis):
-    import torch
-
-    if axis is None:
-        axis = tuple(range(x.ndim))
-    if x.device.type == "cpu":
-        # The CPU's infinity norm is 20x slower than this (0.67 against
-        # 0.034 ms for 2048x128 float32, one thread).
-        result = torch.amax(torch.abs(x), dim=axis, keepdim=True)
-    else:
-        # The infinity norm is the largest `|x|`, exactly, in one read
-        # (where `amax(abs(x))` writes and reads a tensor of `|x|`); NaN
-        # propagates. On an H100 `fp8.dot`'s forward and backward went
-        # from 0.87x to 1.01x bfloat16's with it (and the other changes
-        # between the two runs of `benchmarks/gpu/run.sh`).
-        result = torch.linalg.vector_norm(
-            x, ord=float("inf"), dim=axis, keepdim=True
-        )
-    # A 16-bit `x`'s amax is one of its values: exact in float32.
-    result = result.to(torch.float32)
-    return torch.where(torch.isnan(result), float("inf"), result)
-
-
-def one_hot(index, depth):
-    """`keras.ops.one_hot(index, depth, dtype="float32")` without a host
-    sync: PyTorch's `one_hot` reads its indices' range on the host (two
-    syncs a call, each a stall of the GPU's queue in an eager step). An
-    index outside `[0, depth)` gives zeros, as `one_hot` on JAX and
-    TensorFlow."""
-    ops = keras.ops
-    positions = ops.arange(depth, dtype="int32")
-    index = ops.expand_dims(ops.cast(index, "int32"), -1)
-    return ops.cast(ops.equal(positions, index), "float32")
-
-
-def reshape(x, shape):
-    """`keras.ops.reshape`; on PyTorch the tensor's own `reshape`
-    (`keras.ops` first looks for symbolic tensors among its arguments:
-    tens of microseconds of host time a call, several in every eager FP8
-    GEMM)."""
-    if keras.backend.backend() == "torch":
-        return x.reshape(tuple(shape))
-    return keras.ops.reshape(x, shape)
-
-
-def max_over_last_axis(x):
-    """`keras.ops.max(x, axis=-1)`; of a torch tensor torch's own `amax`
-    (see `reshape`)."""
-    if keras.backend.backend() == "torch":
-        import torch
-
-        if isinstance(x, torch.Tensor):
-            return x.amax(-1)
-    return keras.ops.max(x, axis=-1)
-
-
-def stack(values):
-    """`keras.ops.stack` along a new first axis; on PyTorch torch's own
-    (see `reshape`)."""
-    if keras.backend.backend() == "torch":
-        import torch
-
-        return torch.stack(list(values))
-    return keras.ops.stack(values)
-
-
-def cast(x, dtype):
-    """`keras.ops.cast`; on PyTorch the tensor's own `to` (see
-    `reshape`), nothing where `x` has that dtype already."""
-    if keras.backend.backend() != "torch":
-        return keras.ops.cast(x, dtype)
-    import torch
-
-    target = getattr(torch, keras.backend.standardize_dtype(dtype))
-    return x if x.dtype == target else x.to(target)
-
-
-# Whether `keras_mp.fp8.codes.scale_from_amax` uses
-# `torch_scale_from_amax` on PyTorch (tests compare the two ways).
-TORCH_BIT_OPS = True
-
-
-def has_torch_bit_ops(amax):
-    """Whether `scale_from_amax` of `amax` runs as `torch_scale_from_amax`:
-    a torch tensor on the torch backend, not while `torch.compile`
-    traces (the compiled graph is the same either way)."""
-    if not TORCH_BIT_OPS or keras.backend.backend() != "torch":
-        return False
-    import torch
-
-    return isinstance(amax, torch.Tensor) and not torch.compiler.is_compiling()
-
-
-def torch_variable_tensor(variable):
-    """The torch tensor of the Keras `variable`, where PyTorch's eager
-    step may read and write it in place (`has_torch_bit_ops`, not in a
-    stateless scope, whose values are not the variable's); else None."""
-    if (
-        keras.backend.backend() != "torch"
-        or _keras_internals.in_stateless_scope()
-    ):
-        return None
-    value = variable.value
-    return value if has_torch_bit_ops(value) else None
-
-
-def torch_scale_from_amax(amax, exponent, carry, low, high):
-    """`keras_mp.fp8.codes.scale_from_amax` in torch operations, bit for
-    bit: the power of two whose biased exponent is `amax`'s, less
-    `exponent`, plus one where `amax`'s mantissa bits exceed `0x7FFFFF -
-    carry`, clipped to `[low, high]`; 1 where `amax` is 0, `amax` where it
-    is not finite. `exponent` and `carry` are ints, or int32 tensors (one
-    per value of the last axis). Python numbers stay numbers (no tensor
-    from the host)."""
-    import torch
-
-    if amax.dtype != torch.float32:
-        amax = amax.to(torch.float32)
-    # Adding `carry` to the bits carries into the exponent exactly where
-    # the mantissa bits exceed `0x7FFFFF - carry` (the bits clipped to
-    # inf's first, so that no NaN overflows; a non-finite amax is its own
-    # scale below): two ops where a mask, a comparison and a cast took
-    # four.
-    bits = torch.clamp_max(amax.view(torch.int32), 0x7F800000)
-    biased = torch.bitwise_right_shift(bits + carry, 23)
-    biased = torch.clamp(biased - exponent, low, high)
-    scale = torch.bitwise_left_shift(biased, 23).view(torch.float32)
-    scale = torch.where(amax == 0.0, 1.0, scale)
-    return torch.where(torch.isfinite(amax), scale, amax)
-
-
-def segment_sum(data, segment_ids, num_segments):
-    """`keras.ops.segment_sum` of 1-D `data` into `num_segments` (a Python
-    int) by int32 `segment_ids` in `[0, num_segments)`. On PyTorch an
-    `index_add` (Keras's makes a tensor of `data`'s shape from the host at
-    each call: on a GPU a copy that waits for the queued kernels)."""
-    if keras.backend.backend() != "torch":
-        return keras.ops.segment_sum(
-            data, segment_ids, num_segments=num_segments
-        )
-    import torch
-
-    data = keras.ops.convert_to_tensor(data)
-    segment_ids = keras.ops.convert_to_tensor(segment_ids)
-    sums = torch.zeros(num_segments, dtype=data.dtype, device=data.device)
-    return sums.index_add(0, segment_ids.to(torch.int64), data)
-
-
-def custom_gradient(f):
-    """`keras.ops.custom_gradient(f)`, except on PyTorch, where the
-    arguments are not saved for the backward: Keras's PyTorch version
-    saves them all (`ctx.save_for_backward(*args)`), so an FP8 layer kept
-    its bfloat16 input beside the codes its gradient reads, where JAX's
-    and TensorFlow's graphs keep only what the gradient function uses.
-    `f`'s gradient function is called with the output gradient alone, by
-    name (`upstream=`), as Keras's PyTorch version also passes it."""
-    if keras.backend.backend() != "torch":
-        return keras.ops.custom_gradient(f)
-
-    def wrapped(*args):
-        return _torch_function().apply(f, *args)
-
-    return wrapped
-
-
-@functools.cache
-def _torch_function():
-    import torch
-
-    class WithoutSavedInputs(torch.autograd.Function):
-        """`f(*args)` returns `(output, gradient function)`; the gradient
-        function holds what the backward needs (closures)."""
-
-        @staticmethod
-        def forward(ctx, f, *args):
-            output, ctx.gradient = f(*args)
-            return output
-
-        @staticmethod
-        def backward(ctx, upstream):
-            grads = ctx.gradient(upstream=upstream)
-            if not isinstance(grads, tuple):
-                grads = (grads,)
-            return (None, *grads)
-
-    return WithoutSavedInputs
 
 
 def read_tensor(x):
@@ -474,7 +283,7 @@ def _torch_scaled_mm(a, b, scale, out_dtype, fast_accumulation):
     import torch
 
     # Row-major A, column-major B: the layout cuBLASLt's FP8 GEMM takes
-    # (the CPU kernel takes any). `torch_fp8_operands` writes each operand
+    # (the CPU kernel takes any). `torch/fp8_operands.py` writes each operand
     # in the layout its GEMM asks for, so these copies run only for
     # operands made elsewhere.
     if not a.is_contiguous():
@@ -574,7 +383,7 @@ def _torch_scaled_product(
 def has_layouts(x):
     """Whether the GEMM operands of float32 `x` are FP8 codes whose
     memory layout the GEMM cares about (PyTorch, other than a CPU's
-    values, for a 2-D `x`): `gemm_operands` in `torch_fp8_operands`."""
+    values, for a 2-D `x`): `encode` in `torch/fp8_operands.py`."""
     return (
         keras.backend.backend() == "torch"
         and not rounds_to_values(x)
@@ -586,9 +395,9 @@ def reads_16bit(x):
     """Whether the FP8 codes of 2-D bfloat16 or float16 `x` are made from
     `x` as it is, without a float32 cast first: PyTorch's codes
     (`has_layouts`), whose amax (`amax`) and casts
-    (`torch_fp8_operands.encode`, of any of its `SOURCE_DTYPES`) read
+    (`torch/fp8_operands.encode`, of any of its `SOURCE_DTYPES`) read
     16-bit values and make each one float32 inside their pass."""
-    from keras_mp.backend import torch_fp8_operands
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
 
     dtype = keras.backend.standardize_dtype(x.dtype)
     return has_layouts(x) and dtype in torch_fp8_operands.SOURCE_DTYPES
@@ -596,58 +405,19 @@ def reads_16bit(x):
 
 def torch_gemm_operands(x, scale, fmt, layouts):
     """FP8 codes of `x / scale` in each layout, in one pass
-    (`keras_mp.backend.torch_fp8_operands.encode`)."""
-    from keras_mp.backend import torch_fp8_operands
+    (`keras_mp.backend.torch.fp8_operands.encode`)."""
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
 
     return torch_fp8_operands.encode(x, scale, fmt, layouts)
-
-
-def reuse(tensor, key, compute):
-    """`compute()`, or what it gave for `tensor` and `key` before, while
-    `tensor` holds the same values.
-
-    PyTorch only (elsewhere `compute()` every call: XLA and TensorFlow's
-    graphs already compute a value once per step): a tensor holds the same
-    values while its storage and version counter are unchanged, and every
-    in-place write (an optimizer's update, `Variable.assign`) bumps the
-    counter. So a kernel's FP8 codes are computed once per optimizer step,
-    whatever the number of calls and micro-steps before the update.
-    Not while `torch.compile` traces (the compiled graph decides). A write
-    through `tensor.data` bumps no counter (PyTorch's `.data` escapes
-    version tracking): Keras's and keras_mp's updates never write so, and
-    code that does must assign the variable instead.
-
-    Args:
-        tensor: A tensor that `compute` reads.
-        key: A hashable naming what `compute` makes of it.
-        compute: A function of no arguments.
-    """
-    if keras.backend.backend() != "torch":
-        return compute()
-    import torch
-
-    if torch.compiler.is_compiling() or not isinstance(tensor, torch.Tensor):
-        return compute()
-    # A view (`fp8.einsum`'s reshaped kernel, new at each call) keeps the
-    # cache on the tensor it views, which shares its version counter.
-    owner = tensor if tensor._base is None else tensor._base
-    stamp = (owner.data_ptr(), owner._version)
-    key = (tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), key)
-    cache = getattr(owner, "_keras_mp_fp8_operands", None)
-    if cache is None or cache[0] != stamp:
-        cache = (stamp, {})
-        owner._keras_mp_fp8_operands = cache
-    if key not in cache[1]:
-        cache[1][key] = compute()
-    return cache[1][key]
 
 
 def stored_variable(variable):
     """A variable's stored value for an FP8 GEMM that differentiates it.
 
-    PyTorch: the variable's own tensor, so that `reuse` keys on it (its
-    version counts the optimizer's updates). Elsewhere a copy (TensorFlow's
-    custom gradient refuses a function that captures a variable).
+    PyTorch: the variable's own tensor, so that `torch/versions.reuse` keys
+    on it (its version counts the optimizer's updates). Elsewhere a copy
+    (TensorFlow's custom gradient refuses a function that captures a
+    variable).
     """
     if keras.backend.backend() == "torch":
         return keras.ops.convert_to_tensor(variable)

@@ -4,6 +4,7 @@ Imports nothing from keras_mp.
 """
 
 import collections
+import functools
 import threading
 
 import keras
@@ -477,3 +478,43 @@ def map_gradient(fn, grad):
 
 def _is_indexed_slices(grad):
     return type(grad).__name__ == "IndexedSlices" and hasattr(grad, "indices")
+
+
+def custom_gradient(f):
+    """`keras.ops.custom_gradient(f)`, except on PyTorch, where the
+    arguments are not saved for the backward: Keras's PyTorch version
+    saves them all (`ctx.save_for_backward(*args)`), so an FP8 layer kept
+    its bfloat16 input beside the codes its gradient reads, where JAX's
+    and TensorFlow's graphs keep only what the gradient function uses.
+    `f`'s gradient function is called with the output gradient alone, by
+    name (`upstream=`), as Keras's PyTorch version also passes it."""
+    if keras.backend.backend() != "torch":
+        return keras.ops.custom_gradient(f)
+
+    def wrapped(*args):
+        return _torch_function().apply(f, *args)
+
+    return wrapped
+
+
+@functools.cache
+def _torch_function():
+    import torch
+
+    class WithoutSavedInputs(torch.autograd.Function):
+        """`f(*args)` returns `(output, gradient function)`; the gradient
+        function holds what the backward needs (closures)."""
+
+        @staticmethod
+        def forward(ctx, f, *args):
+            output, ctx.gradient = f(*args)
+            return output
+
+        @staticmethod
+        def backward(ctx, upstream):
+            grads = ctx.gradient(upstream=upstream)
+            if not isinstance(grads, tuple):
+                grads = (grads,)
+            return (None, *grads)
+
+    return WithoutSavedInputs

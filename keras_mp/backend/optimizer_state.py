@@ -1,7 +1,7 @@
 """Optimizer state in a dtype of its own: what `keras.ops` cannot express.
 
 How a Keras optimizer's update is routed (through `update_step`, or torch's
-fused update in `fused_state_update.py`) and compiled with XLA on
+fused update in `torch/fused_state_update.py`) and compiled with XLA on
 TensorFlow.
 """
 
@@ -54,7 +54,7 @@ def compiled_elementwise(fn):
     runs one kernel per operation; there `fn` becomes an XLA-compiled
     `tf.function` (inlined where the step is already compiled with XLA).
     JAX and `jit_compile` steps already fuse, and eager PyTorch has no
-    compiler it could count on (`fused_state_update.py` replaces the
+    compiler it could count on (`torch/fused_state_update.py` replaces the
     per-variable path instead): `fn` is returned as it is. `fn` must be a
     module-level function of tensors only; one compiled version is kept
     per function.

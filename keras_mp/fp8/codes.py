@@ -19,6 +19,7 @@ from keras import ops
 
 from keras_mp._keras_internals import constant
 from keras_mp.backend import fp8 as backend_fp8
+from keras_mp.backend.torch import ops as torch_ops
 from keras_mp.fp8.recipe import check_choice
 
 # Format name -> (Keras dtype of the codes, largest finite value).
@@ -64,7 +65,7 @@ def _threshold(fmt, margin):
 
 def _torch_thresholds(thresholds):
     """`(exponent, carry)` of `_threshold`'s `(exponent, mantissa)` (or a
-    list of them, as int32 vectors) for `torch_scale_from_amax`: `carry`
+    list of them, as int32 vectors) for `torch_ops.scale_from_amax`: `carry`
     is `0x7FFFFF - mantissa`."""
     if isinstance(thresholds, list):
         return (
@@ -102,11 +103,11 @@ def scale_from_amax(amax, fmt="e4m3", margin=0):
     else:
         check_format(fmt)
         thresholds = _threshold(fmt, margin)
-    if backend_fp8.has_torch_bit_ops(amax):
+    if torch_ops.has_bit_ops(amax):
         # The same operations in torch itself: a third of `keras.ops`'
         # host time, which an eager GPU step spends for every tensor.
         exponent, carry = _torch_thresholds(thresholds)
-        return backend_fp8.torch_scale_from_amax(
+        return torch_ops.scale_from_amax(
             amax, exponent, carry, _MIN_EXPONENT, _MAX_EXPONENT
         )
     if isinstance(thresholds, list):
@@ -161,7 +162,7 @@ def gemm_operands(x, scale, fmt, layouts):
     that takes `x` as its B, or `x^T` as its A). Where the layout of a
     2-D operand matters (PyTorch's FP8 codes: cuBLASLt takes a row-major
     A and a column-major B), each is written in one pass with the cast
-    (`keras_mp.backend.torch_fp8_operands`); elsewhere one tensor serves
+    (`keras_mp.backend.torch.fp8_operands`); elsewhere one tensor serves
     every layout."""
     if backend_fp8.rounds_to_values(x):
         values = backend_fp8.round_to_format(x, scale, fmt, FORMATS[fmt][1])

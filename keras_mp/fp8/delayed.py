@@ -44,7 +44,8 @@ from keras import ops
 
 from keras_mp._keras_internals import constant
 from keras_mp.backend import fp8 as backend_fp8
-from keras_mp.backend import torch_delayed
+from keras_mp.backend.torch import delayed as torch_delayed
+from keras_mp.backend.torch import ops as torch_ops
 from keras_mp.fp8 import stats as stats_module
 from keras_mp.fp8.codes import scale_from_amax
 
@@ -102,7 +103,7 @@ def fold(history, folds, carrier):
         is finite is shifted by one and starts with it, and `folds` is one
         more.
     """
-    if backend_fp8.has_torch_bit_ops(history):
+    if torch_ops.has_bit_ops(history):
         return _torch_fold(history, folds, carrier)[:2]
     parity = ops.mod(folds, constant(2, "int32"))
     marks = carrier[0, PARITY : PARITY + 2]
@@ -134,7 +135,7 @@ def _torch_fold(history, folds, carrier):
 def history_scales(history, recipe):
     """The delayed scales of the three tensors from `history` (3, H)."""
     if recipe.amax_algo == "max":
-        amax = backend_fp8.max_over_last_axis(history)
+        amax = torch_ops.max_over_last_axis(history)
     else:
         amax = history[:, 0]
     formats = (recipe.forward_format,) * 2 + (recipe.backward_format,)
@@ -150,11 +151,11 @@ def carrier_loss_scale(carrier):
 
 def scaling(history, folds, carrier, recipe):
     """The `Scaling` of a call, from the (folded) state and the carrier."""
-    if backend_fp8.has_torch_bit_ops(history):
+    if torch_ops.has_bit_ops(history):
         parity = torch_delayed.parity(folds)
         loss_scale = torch_delayed.carrier_loss_scale(carrier, LOSS_SCALE)
     else:
-        parity = backend_fp8.one_hot(ops.mod(folds, constant(2, "int32")), 2)
+        parity = torch_ops.one_hot(ops.mod(folds, constant(2, "int32")), 2)
         loss_scale = carrier_loss_scale(carrier)
     return Scaling(
         scales=history_scales(history, recipe),
@@ -166,7 +167,7 @@ def scaling(history, folds, carrier, recipe):
 
 def fold_and_scaling(history, folds, carrier, recipe, first=None):
     """PyTorch's `fold`, then the call's `scaling`, sharing their reads of
-    the carrier (`has_torch_bit_ops`): `(history, folds, Scaling)`.
+    the carrier (`torch_ops.has_bit_ops`): `(history, folds, Scaling)`.
     `first`, where the caller knows it (a Python bool), is the Scaling's
     as it is."""
     history, folds, parity, loss_scale = _torch_fold(history, folds, carrier)
@@ -182,7 +183,7 @@ def fold_and_scaling(history, folds, carrier, recipe, first=None):
 def pack(scaling):
     """`scaling` as one float32 vector (7,), an input a custom gradient
     can take (JAX's must not close over values of the step)."""
-    if backend_fp8.has_torch_bit_ops(scaling.scales):
+    if torch_ops.has_bit_ops(scaling.scales):
         return torch_delayed.pack(*scaling)
     return ops.concatenate(
         [
@@ -251,7 +252,7 @@ def select(scaling, indices, currents):
     where a branch would read the flag on the host). Where `first` is a
     Python False (the host knows the layer has a history), the delayed
     ones, and `currents` may be None."""
-    if backend_fp8.has_torch_bit_ops(scaling.scales):
+    if torch_ops.has_bit_ops(scaling.scales):
         return torch_delayed.select(
             scaling.first,
             currents,
@@ -268,7 +269,7 @@ def select(scaling, indices, currents):
 def carrier_gradient(statistics, scaling):
     """The carrier's gradient: the statistics rows, the parity, and 0 for
     the loss scale (the optimizer writes it)."""
-    if backend_fp8.has_torch_bit_ops(statistics):
+    if torch_ops.has_bit_ops(statistics):
         return torch_delayed.carrier_gradient(statistics, scaling.parity)
     rows = ops.shape(statistics)[0]
     extra = ops.concatenate(
@@ -282,7 +283,7 @@ def carrier_gradient_of_amaxes(amaxes, sizes, scaling):
     """`carrier_gradient` of statistics rows without counts, made from
     the three tensors' amaxes and sizes at once: PyTorch's (a handful of
     eager ops where each row took a dozen; `keras_mp.fp8.dot` calls it
-    where `has_torch_bit_ops`).
+    where `torch_ops.has_bit_ops`).
 
     Args:
         amaxes: The float32 amaxes of the input, the kernel and the output
@@ -312,7 +313,7 @@ def write_loss_scale(carrier, loss_scale):
     """Writes the loss scale of the next step into the carrier variable
     `carrier` (`with_loss_scale`); on PyTorch's eager step in place, the
     one column (Keras's `assign` converts the whole carrier again)."""
-    value = backend_fp8.torch_variable_tensor(carrier)
+    value = torch_ops.variable_tensor(carrier)
     if value is None:
         carrier.assign(with_loss_scale(carrier, loss_scale))
     else:
@@ -322,7 +323,7 @@ def write_loss_scale(carrier, loss_scale):
 def with_loss_scale(carrier, loss_scale):
     """`carrier` with the loss scale of the next step written in."""
     carrier = backend_fp8.read_tensor(carrier)
-    if backend_fp8.has_torch_bit_ops(carrier):
+    if torch_ops.has_bit_ops(carrier):
         return torch_delayed.with_loss_scale(carrier, loss_scale, LOSS_SCALE)
     column = ops.ones((CARRIER_SHAPE[0], 1), "float32") * ops.cast(
         ops.reshape(loss_scale, ()), "float32"

@@ -20,6 +20,7 @@ from keras import ops
 
 from keras_mp.backend import fp8 as fp8_backend
 from keras_mp.backend import gradients as backend_gradients
+from keras_mp.backend.torch import ops as torch_ops
 from keras_mp.fp8 import delayed as delayed_module
 from keras_mp.fp8 import quantizers
 from keras_mp.fp8 import recipe as recipe_module
@@ -143,35 +144,35 @@ def dot(x, kernel, recipe=None, output_dtype=None, stats=None, delayed=None):
         themselves (each made float32 inside their passes: exact)."""
         if quantizer.reads_16bit and fp8_backend.reads_16bit(t):
             return t
-        return fp8_backend.cast(t, "float32")
+        return torch_ops.cast(t, "float32")
 
     def forward(x, kernel, rows, scaling=None):
         x_shape = ops.shape(x)
-        source_x = fp8_backend.reshape(x, (-1, k))
+        source_x = torch_ops.reshape(x, (-1, k))
         x2 = operand(source_x)
-        kernel = fp8_backend.cast(kernel, "float32")
+        kernel = torch_ops.cast(kernel, "float32")
         call = quantizers.Call(recipe, rows, dtypes, scaling, source_x)
         out = quantizer.forward(call, x2, kernel)
         call.end_forward(keep_input=quantizer.backward_reads_input)
-        out = fp8_backend.reshape(out, (*x_shape[:-1], n))
+        out = torch_ops.reshape(out, (*x_shape[:-1], n))
 
         def backward(args, upstream):
             # TensorFlow and JAX pass the output gradient alone; PyTorch
             # passes the inputs, and the output gradient by name.
             if upstream is None:
                 (upstream,) = args
-            g = operand(fp8_backend.reshape(upstream, (-1, n)))
+            g = operand(torch_ops.reshape(upstream, (-1, n)))
             dx = quantizer.input_gradient(call, g)
             dw = quantizer.kernel_gradient(call, g)
             call.end_backward()
-            dx = fp8_backend.cast(fp8_backend.reshape(dx, x_shape), x_dtype)
-            return dx, fp8_backend.cast(dw, kernel_dtype)
+            dx = torch_ops.cast(torch_ops.reshape(dx, x_shape), x_dtype)
+            return dx, torch_ops.cast(dw, kernel_dtype)
 
-        return fp8_backend.cast(out, output_dtype), backward
+        return torch_ops.cast(out, output_dtype), backward
 
     if stats is None:
 
-        @fp8_backend.custom_gradient
+        @backend_gradients.custom_gradient
         def fp8_dot(x, kernel):
             out, backward = forward(x, kernel, None)
 
@@ -187,7 +188,7 @@ def dot(x, kernel, recipe=None, output_dtype=None, stats=None, delayed=None):
 
     stats = _check_stats(fp8_backend.read_tensor(stats))
 
-    @fp8_backend.custom_gradient
+    @backend_gradients.custom_gradient
     def fp8_dot_with_stats(x, kernel, stats):
         rows = quantizers.Rows()
         out, backward = forward(x, kernel, rows)
@@ -220,11 +221,11 @@ def _delayed_dot(x, kernel, carrier, scaling, forward, recipe):
     # three rows of the carrier's gradient at once from the amaxes (an
     # eager step's ops cost host time each). JAX's must not close over
     # values of the step: it takes them packed, as an input.
-    on_torch = fp8_backend.has_torch_bit_ops(carrier)
+    on_torch = torch_ops.has_bit_ops(carrier)
     packed = None if on_torch else delayed_module.pack(scaling)
     from_amaxes = not recipe.stats and on_torch
 
-    @fp8_backend.custom_gradient
+    @backend_gradients.custom_gradient
     def fp8_dot_delayed(x, kernel, carrier, packed):
         rows = quantizers.Rows(counts=recipe.stats, from_amaxes=from_amaxes)
         call = scaling if packed is None else delayed_module.unpack(packed)

@@ -47,7 +47,8 @@ from keras import ops
 from keras_mp import _keras_internals
 from keras_mp._keras_internals import constant
 from keras_mp.backend import fp8 as backend_fp8
-from keras_mp.backend import torch_delayed
+from keras_mp.backend.torch import delayed as torch_delayed
+from keras_mp.backend.torch import ops as torch_ops
 from keras_mp.fp8.codes import FORMATS
 
 TENSORS = ("input", "kernel", "output_gradient")
@@ -151,10 +152,10 @@ def _histogram(x, amax=None):
     """The one-hot histogram of `x`'s amax (NaN counted as inf)."""
     if amax is None:
         amax = backend_fp8.amax(x, None)
-    if backend_fp8.has_torch_bit_ops(amax):
+    if torch_ops.has_bit_ops(amax):
         bin_index = torch_delayed.amax_bin(amax, MANTISSA_ABOVE_1_75)
         return torch_delayed.one_hot(bin_index.reshape(()), HISTOGRAM_BINS)
-    return backend_fp8.one_hot(ops.reshape(amax_bin(amax), ()), HISTOGRAM_BINS)
+    return torch_ops.one_hot(ops.reshape(amax_bin(amax), ()), HISTOGRAM_BINS)
 
 
 def remove_loss_scale(stats, loss_scale):
@@ -180,7 +181,7 @@ def remove_loss_scale(stats, loss_scale):
         constant(FINITE_BINS - 1, "int32"),
     )
     row = stats[2]
-    histogram = backend_fp8.segment_sum(row[:FINITE_BINS], target, FINITE_BINS)
+    histogram = torch_ops.segment_sum(row[:FINITE_BINS], target, FINITE_BINS)
     row = ops.concatenate([histogram, row[FINITE_BINS:]])
     return ops.concatenate([stats[:2], ops.expand_dims(row, 0)], axis=0)
 

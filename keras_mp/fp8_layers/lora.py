@@ -20,7 +20,7 @@ def gemm_kernel(layer):
     kernel alone (Keras's `layer.kernel` adds the low-rank product, which
     would then be rounded to FP8 with it and mostly lost). On PyTorch the
     variable's own tensor, not a copy: `fp8.dot` then quantizes it once
-    per optimizer step (`keras_mp.backend.fp8.reuse`)."""
+    per optimizer step (`keras_mp.backend.torch.versions.reuse`)."""
     kernel = layer._kernel if has_lora(layer) else layer.kernel
     with _keras_internals.without_autocast():
         return backend_fp8.stored_variable(kernel)

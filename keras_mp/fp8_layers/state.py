@@ -9,7 +9,7 @@ state with their decided recipes.
 import keras
 
 from keras_mp import _keras_internals
-from keras_mp.backend import fp8 as backend_fp8
+from keras_mp.backend.torch import ops as torch_ops
 from keras_mp.fp8 import delayed as delayed_module
 from keras_mp.fp8 import mxfp8
 from keras_mp.fp8 import nvfp4
@@ -205,7 +205,7 @@ def stats_input(layer, recipe):
         return None
     # PyTorch's eager step takes the variable's tensor itself (its gradient
     # reaches it all the same): no copy of it each call.
-    value = backend_fp8.torch_variable_tensor(carrier)
+    value = torch_ops.variable_tensor(carrier)
     return stored(carrier) if value is None else value
 
 
@@ -223,7 +223,7 @@ def delayed_scaling(layer, recipe, carrier):
             f"{recipe!r}. Set the policy before building the layer."
         )
     if (
-        backend_fp8.has_torch_bit_ops(carrier)
+        torch_ops.has_bit_ops(carrier)
         and not _keras_internals.in_stateless_scope()
     ):
         return _torch_delayed_scaling(recipe, carrier, state)

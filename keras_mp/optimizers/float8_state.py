@@ -30,7 +30,7 @@ from keras import ops
 
 from keras_mp import _random_bits
 from keras_mp.backend import fp8 as backend_fp8
-from keras_mp.backend import fused_float8_update
+from keras_mp.backend.torch import fused_float8_update
 from keras_mp.fp8 import codes as fp8_codes
 
 # Elements per block scale: COAT's group size. Float32 scales cost 4/128
@@ -321,7 +321,7 @@ class Float8Slots:
 
     def _update_in_place(self, gradient, variable, coefficients):
         """PyTorch: the update of `update_step` in place, bit for bit
-        (`backend/fused_float8_update.py`); returns whether it ran."""
+        (`backend/torch/fused_float8_update.py`); returns whether it ran."""
         optimizer = self._optimizer
         if keras.backend.backend() != "torch" or optimizer.amsgrad:
             return False

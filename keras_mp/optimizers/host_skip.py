@@ -10,8 +10,8 @@ optimizer's own update or nothing: no copy of the state (DESIGN.md, "The
 skip decision and the host"). With `skip_on_device=True` and Keras's own
 Adam or AdamW, the update is instead torch's fused AdamW kernel, which
 leaves the state untouched where a device flag says so (within the
-tolerance stated in `backend/fused_adam.py`). Imports `keras_mp.backend`,
-`keras_mp._keras_internals`, `optimizers/overflow.py` and
+tolerance stated in `backend/torch/fused_adam.py`). Imports
+`keras_mp.backend`, `keras_mp._keras_internals`, `optimizers/overflow.py` and
 `optimizers/overwrite_with_gradient.py`; never `loss_scale_optimizer.py` or
 `wrapper.py`.
 """
@@ -21,8 +21,8 @@ from keras import ops
 
 from keras_mp import _keras_internals
 from keras_mp.backend import collectives
-from keras_mp.backend import fused_adam
 from keras_mp.backend import gradients as backend_gradients
+from keras_mp.backend.torch import fused_adam
 from keras_mp.optimizers import overflow
 from keras_mp.optimizers.overwrite_with_gradient import overwrites_with_gradient
 

@@ -18,9 +18,9 @@ from keras import ops
 
 from keras_mp import _keras_internals
 from keras_mp import _random_bits
-from keras_mp.backend import fused_state_update
 from keras_mp.backend import gradients as backend_gradients
 from keras_mp.backend import optimizer_state
+from keras_mp.backend.torch import fused_state_update
 from keras_mp.optimizers import float8_state
 from keras_mp.optimizers.overwrite_with_gradient import overwrites_with_gradient
 

@@ -19,7 +19,7 @@ import collections
 
 from keras import ops
 
-from keras_mp.backend import fp8 as fp8_backend
+from keras_mp.backend.torch import versions as torch_versions
 from keras_mp.fp8 import stats as stats_module
 from keras_mp.fp8.codes import quantize_reduced
 
@@ -155,16 +155,16 @@ def operand(x, fmt, axes, margin, scale=None, layouts=ROW):
 def kernel_operand(w, fmt, axes, margin, layouts, shape=None):
     """`operand` of the kernel (reshaped to `shape`, where given),
     computed once while the kernel is unchanged
-    (`keras_mp.backend.fp8.reuse`: on PyTorch, once per optimizer step
-    however many calls and micro-steps share it). Current scaling only:
-    the codes then depend on the kernel alone."""
+    (`keras_mp.backend.torch.versions.reuse`: on PyTorch, once per
+    optimizer step however many calls and micro-steps share it). Current
+    scaling only: the codes then depend on the kernel alone."""
 
     def compute():
         tensor = w if shape is None else ops.reshape(w, shape)
         return operand(tensor, fmt, axes, margin, None, layouts)
 
     key = ("kernel", fmt, axes, margin, layouts, shape)
-    return fp8_backend.reuse(w, key, compute)
+    return torch_versions.reuse(w, key, compute)
 
 
 def pad_rows(t, multiple):

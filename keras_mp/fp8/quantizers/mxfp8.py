@@ -20,6 +20,7 @@ then a float32 matmul".
 from keras import ops
 
 from keras_mp.backend import fp8 as fp8_backend
+from keras_mp.backend.torch import versions as torch_versions
 from keras_mp.fp8 import mxfp8
 from keras_mp.fp8.quantizers.base import Quantizer
 from keras_mp.fp8.quantizers.base import pad_rows
@@ -70,11 +71,11 @@ class Mxfp8(Quantizer):
 
     def _kernel_values(self, call, w, axis):
         """The kernel's values along `axis`, computed once while it is
-        unchanged (`keras_mp.backend.fp8.reuse`)."""
+        unchanged (`keras_mp.backend.torch.versions.reuse`)."""
         if call.rows is not None:
             return self._values(call, "kernel", w, axis)
         key = ("mxfp8", self.scale_rounding, axis)
-        return fp8_backend.reuse(
+        return torch_versions.reuse(
             w, key, lambda: self._values(call, "kernel", w, axis)
         )
 

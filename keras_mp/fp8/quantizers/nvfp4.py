@@ -35,6 +35,7 @@ from keras import ops
 
 from keras_mp import _random_bits
 from keras_mp.backend import fp8 as fp8_backend
+from keras_mp.backend.torch import versions as torch_versions
 from keras_mp.fp8 import nvfp4
 from keras_mp.fp8.quantizers.base import Quantizer
 from keras_mp.fp8.quantizers.base import pad_rows
@@ -148,10 +149,10 @@ class Nvfp4(Quantizer):
 
     def _kernel_values(self, call, w):
         """The kernel's 16x16-tile values, computed once while it is
-        unchanged (`keras_mp.backend.fp8.reuse`)."""
+        unchanged (`keras_mp.backend.torch.versions.reuse`)."""
         if call.rows is not None:
             return self._values(call, "kernel", w)
-        return fp8_backend.reuse(w, ("nvfp4", TILE), lambda: values(w))
+        return torch_versions.reuse(w, ("nvfp4", TILE), lambda: values(w))
 
     def forward(self, call, x, w):
         call.saved.update(w=w)

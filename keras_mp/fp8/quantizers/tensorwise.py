@@ -12,6 +12,7 @@ import functools
 from keras import ops
 
 from keras_mp.backend import fp8 as fp8_backend
+from keras_mp.backend.torch import ops as torch_ops
 from keras_mp.fp8 import delayed as delayed_module
 from keras_mp.fp8.codes import quantize_reduced
 from keras_mp.fp8.codes import scale_from_amax
@@ -51,7 +52,7 @@ def _delayed_scales(call, tensors, fmt):
         currents = None
         if call.scaling.first is not False:
             currents = scale_from_amax(
-                fp8_backend.stack([fp8_backend.reshape(a, ()) for a in amaxes]),
+                torch_ops.stack([torch_ops.reshape(a, ()) for a in amaxes]),
                 fmt,
                 call.margin,
             )
@@ -64,7 +65,7 @@ def _delayed_scales(call, tensors, fmt):
         ]
         scales = delayed_module.pick(call.scaling, indices, currents)
     return tuple(
-        fp8_backend.reshape(scale, tuple(amax.shape))
+        torch_ops.reshape(scale, tuple(amax.shape))
         for scale, amax in zip(scales, amaxes)
     )
 

@@ -11,7 +11,7 @@ from keras import ops
 
 from keras_mp import _keras_internals
 from keras_mp import _random_bits
-from keras_mp.backend import fused_batches
+from keras_mp.backend.torch import fused_batches
 
 # Whether the fused PyTorch update below may run (tests turn it off to
 # compare it with the per-variable path it replaces).

@@ -6,8 +6,8 @@ converts and checks every argument: a `where` 9.6 µs against torch's own
 statistics rows are about a hundred such calls a layer and step, on
 tensors of a few hundred values. These are the same operations in torch
 itself, bit for bit those of `keras_mp/fp8/delayed.py` and
-`keras_mp/fp8/stats.py`, which call them where `backend/fp8.py`'s
-`has_torch_bit_ops` says so (tests compare the two ways). Python numbers
+`keras_mp/fp8/stats.py`, which call them where `torch/ops.py`'s
+`has_bit_ops` says so (tests compare the two ways). Python numbers
 stay numbers (a scalar argument of a kernel, no tensor from the host).
 Imports nothing from keras_mp, and torch only inside its functions: the
 module is imported on every backend, with or without torch installed.
@@ -28,7 +28,7 @@ def _positions(depth, device):
 
 def one_hot(index, depth):
     """float32 one-hot rows of int32 `index` over `depth` positions
-    (zeros for an index outside them), as `backend/fp8.py`'s `one_hot`."""
+    (zeros for an index outside them), as `torch/ops.py`'s `one_hot`."""
     import torch
 
     return (_positions(depth, index.device) == index.unsqueeze(-1)).to(

@@ -1,0 +1,44 @@
+"""What a torch tensor's version counter tells: values computed from it
+once, while it holds the same values (`reuse`)."""
+
+import keras
+
+
+def reuse(tensor, key, compute):
+    """`compute()`, or what it gave for `tensor` and `key` before, while
+    `tensor` holds the same values.
+
+    PyTorch only (elsewhere `compute()` every call: XLA and TensorFlow's
+    graphs already compute a value once per step): a tensor holds the same
+    values while its storage and version counter are unchanged, and every
+    in-place write (an optimizer's update, `Variable.assign`) bumps the
+    counter. So a kernel's FP8 codes are computed once per optimizer step,
+    whatever the number of calls and micro-steps before the update.
+    Not while `torch.compile` traces (the compiled graph decides). A write
+    through `tensor.data` bumps no counter (PyTorch's `.data` escapes
+    version tracking): Keras's and keras_mp's updates never write so, and
+    code that does must assign the variable instead.
+
+    Args:
+        tensor: A tensor that `compute` reads.
+        key: A hashable naming what `compute` makes of it.
+        compute: A function of no arguments.
+    """
+    if keras.backend.backend() != "torch":
+        return compute()
+    import torch
+
+    if torch.compiler.is_compiling() or not isinstance(tensor, torch.Tensor):
+        return compute()
+    # A view (`fp8.einsum`'s reshaped kernel, new at each call) keeps the
+    # cache on the tensor it views, which shares its version counter.
+    owner = tensor if tensor._base is None else tensor._base
+    stamp = (owner.data_ptr(), owner._version)
+    key = (tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), key)
+    cache = getattr(owner, "_keras_mp_fp8_operands", None)
+    if cache is None or cache[0] != stamp:
+        cache = (stamp, {})
+        owner._keras_mp_fp8_operands = cache
+    if key not in cache[1]:
+        cache[1][key] = compute()
+    return cache[1][key]
