@@ -101,6 +101,11 @@ def update(optimizer, grads, variables, is_finite):
             maximize=False,
             found_inf=found_inf,
         )
+        # `_fused_adamw_` writes the weights in place without bumping their
+        # version counters (torch 2.13), and `versions.reuse` keys a
+        # kernel's FP8 codes on them: without the bump the next step's FP8
+        # GEMMs would multiply the codes of the weights before this update.
+        torch.autograd.graph.increment_version([v.value for _, v in pairs])
     optimizer.iterations.assign_add(
         keras.ops.cast(is_finite, optimizer.iterations.dtype)
     )

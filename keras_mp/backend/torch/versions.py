@@ -17,7 +17,14 @@ def reuse(tensor, key, compute):
     Not while `torch.compile` traces (the compiled graph decides). A write
     through `tensor.data` bumps no counter (PyTorch's `.data` escapes
     version tracking): Keras's and keras_mp's updates never write so, and
-    code that does must assign the variable instead.
+    code that does must assign the variable instead. Two writes bump no
+    counter either (torch 2.13), and are handled: `torch._fused_adamw_`
+    (`fused_adam.py` bumps the weights' counters after it), and every
+    `torch._foreach_*` in-place operation while a `TorchDispatchMode` is
+    active (`FlopCounterMode`, say), so nothing is cached while one is (an
+    update inside a mode after a forward outside it is the one case left to
+    the caller), except under modes that bump what they write themselves
+    (a true `BUMPS_VERSIONS` attribute: `testing.count_torch_launches`).
 
     Args:
         tensor: A tensor that `compute` reads.
@@ -28,7 +35,11 @@ def reuse(tensor, key, compute):
         return compute()
     import torch
 
-    if torch.compiler.is_compiling() or not isinstance(tensor, torch.Tensor):
+    if (
+        torch.compiler.is_compiling()
+        or not isinstance(tensor, torch.Tensor)
+        or not _modes_bump_versions()
+    ):
         return compute()
     # A view (`fp8.einsum`'s reshaped kernel, new at each call) keeps the
     # cache on the tensor it views, which shares its version counter.
@@ -42,3 +53,14 @@ def reuse(tensor, key, compute):
     if key not in cache[1]:
         cache[1][key] = compute()
     return cache[1][key]
+
+
+def _modes_bump_versions():
+    """Whether every active `TorchDispatchMode` bumps the version counters
+    of what an operation writes (see `reuse`)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return all(
+        getattr(mode, "BUMPS_VERSIONS", False)
+        for mode in _get_current_dispatch_mode_stack()
+    )
