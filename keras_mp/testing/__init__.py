@@ -3,7 +3,8 @@
 One module per concept: `asserts.py` (comparisons and NumPy conversions),
 `optimizer_steps.py` (a step as `fit` runs it, bytes per parameter),
 `fp8_helpers.py` (the FP8 tests' fixtures and checks), `host_syncs.py`
-(host sync and host copy counters), `saved_tensors.py` (what a step keeps
+(host sync and host copy counters), `launches.py` (the kernel launches
+of a PyTorch step), `saved_tensors.py` (what a step keeps
 for its backward), `processes.py` (child processes, hidden modules, the
 machine's description); `fp8_reference.py` is the FP8 tests' oracle and
 `pytest_plugin.py` the suite's plugin. Every helper is imported from here.
@@ -21,6 +22,8 @@ from keras_mp.testing.fp8_helpers import fp8_mlp_fit_and_reload
 from keras_mp.testing.fp8_helpers import gemm_and_gradients
 from keras_mp.testing.host_syncs import count_host_copies
 from keras_mp.testing.host_syncs import count_host_syncs
+from keras_mp.testing.launches import LaunchCount
+from keras_mp.testing.launches import count_torch_launches
 from keras_mp.testing.optimizer_steps import apply_as_fit
 from keras_mp.testing.optimizer_steps import bytes_per_parameter
 from keras_mp.testing.processes import describe_machine
@@ -33,6 +36,7 @@ from keras_mp.testing.saved_tensors import tf_saved_tensors
 from keras_mp.testing.saved_tensors import torch_saved_tensors
 
 __all__ = [
+    "LaunchCount",
     "apply_as_fit",
     "assert_bitwise_equal",
     "assert_close",
@@ -42,6 +46,7 @@ __all__ = [
     "bytes_per_parameter",
     "count_host_copies",
     "count_host_syncs",
+    "count_torch_launches",
     "describe_machine",
     "fp8_code_bits",
     "fp8_mlp_fit_and_reload",

@@ -1,0 +1,137 @@
+"""`keras_mp.testing.count_torch_launches`: the kernel launches of a PyTorch
+step, counted on a CPU (issue 46).
+
+Each ATen operation that queues a kernel counts one launch; views and
+allocations count none; a Triton launch counts one, and what Triton's
+launcher dispatches inside it counts nothing. The counts of a Keras step are
+the same from one step to the next, so a budget per step can be asserted.
+"""
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+from keras_mp.testing import count_torch_launches
+
+pytestmark = pytest.mark.backends("torch")
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_kernels_are_counted_and_views_are_not():
+    import torch
+
+    x = torch.ones(4, 4)
+    with count_torch_launches() as count:
+        y = x * 2  # one kernel
+        y = y.view(16)  # a view
+        y = y.reshape(4, 4).t()  # views
+        z = torch.empty(3)  # an allocation without a fill
+        y = y + 1  # one kernel
+        total = y.sum()  # one kernel
+        float(total)  # a scalar read: a host sync, not a launch
+    assert z.shape == (3,)
+    assert dict(count.ops) == {"aten::mul": 1, "aten::add": 1, "aten::sum": 1}
+    assert count.launches == 3
+    assert count.views == 5
+    assert not count.triton
+    # Nothing is counted once the context has closed.
+    x * 2
+    assert count.launches == 3
+
+
+def _train_on_batch_counts(policy, fp8, steps=3):
+    keras.utils.set_random_seed(0)
+    with keras_mp.policy_scope(policy, fp8=fp8):
+        model = keras.Sequential(
+            [
+                keras.Input((32,)),
+                keras.layers.Dense(32, activation="relu"),
+                keras.layers.Dense(32),
+                keras.layers.Dense(4, dtype="float32"),
+            ]
+        )
+    model.compile(keras.optimizers.Adam(1e-3), loss="mse")
+    x = np.random.default_rng(0).normal(size=(16, 32)).astype("float32")
+    y = np.zeros((16, 4), "float32")
+    # The first step builds the optimizer; the second still makes what an
+    # FP8 step makes once (61 more launches for two FP8 layers on
+    # 2026-11-28), and the steps after it are all alike.
+    for _ in range(2):
+        model.train_on_batch(x, y)
+    counts = []
+    for _ in range(steps):
+        with count_torch_launches() as count:
+            model.train_on_batch(x, y)
+        counts.append(count)
+    return counts
+
+
+@pytest.mark.parametrize("fp8", [None, True], ids=["bf16", "fp8"])
+def test_a_keras_step_counts_the_same_launches_every_step(fp8):
+    counts = _train_on_batch_counts("mixed_bfloat16", fp8)
+    assert counts[0].launches > 0
+    assert [c.launches for c in counts] == [counts[0].launches] * len(counts)
+    assert [c.ops for c in counts[1:]] == [counts[0].ops] * (len(counts) - 1)
+
+
+def test_fp8_layers_add_launches_over_bf16():
+    """The counter sees what issue 46 measures: the FP8 layers' quantization
+    adds work to a step (the budgets tighten as the fast paths land)."""
+    bf16 = _train_on_batch_counts("mixed_bfloat16", None, steps=1)[0]
+    fp8 = _train_on_batch_counts("mixed_bfloat16", True, steps=1)[0]
+    assert fp8.launches > bf16.launches
+
+
+_TRITON_SCRIPT = textwrap.dedent(
+    """
+    import torch
+
+    from keras_mp.backend import torch_fp8_operands
+    from keras_mp.testing import count_torch_launches
+
+    torch_fp8_operands.FORCED = "triton"
+    x = torch.linspace(-3, 3, 64 * 48).reshape(64, 48)
+    scale = torch.tensor(1.0)
+    torch_fp8_operands.encode(x, scale, "e4m3", ("row", "column"))  # compiles
+    with count_torch_launches() as count:
+        torch_fp8_operands.encode(x, scale, "e4m3", ("row", "column"))
+    print(dict(count.triton), dict(count.ops))
+    """
+)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton"
+)
+def test_a_triton_launch_counts_one_under_the_interpreter():
+    """Under `TRITON_INTERPRET=1` the interpreter runs the kernel with torch
+    and NumPy on the host; the counter takes it as the one launch it is on
+    a GPU. In a fresh process, as `torch_fp8_operands_test.py` explains."""
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        KERAS_BACKEND="torch",
+        PYTHONPATH=os.pathsep.join(
+            [str(_ROOT), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", _TRITON_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    triton, ops = eval(result.stdout.strip().splitlines()[-1])
+    assert triton == {"quantize": 1}, result.stdout
+    assert sum(ops.values()) == 0, result.stdout
