@@ -18,11 +18,11 @@ from keras_mp import fp8
 from keras_mp import fp8_layers
 from keras_mp import policy as policy_module
 from keras_mp.fp8 import delayed as delayed_module
-from keras_mp.fp8 import mxfp8
-from keras_mp.fp8 import nvfp4
 from keras_mp.fp8 import stats as stats_module
-from keras_mp.fp8.codes import scale_from_amax
 from keras_mp.fp8.einsum import kernel_matrix
+from keras_mp.fp8.formats import mxfp8
+from keras_mp.fp8.formats import nvfp4
+from keras_mp.fp8.formats.e4m3_e5m2 import scale_from_amax
 from keras_mp.fp8.recipe import NV_FORMATS
 from keras_mp.policy import Policy
 

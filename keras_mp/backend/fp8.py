@@ -57,7 +57,7 @@ def round_to_format(x, scale, fmt, fmax):
     """The values of the FP8 codes of `x / scale`, as float32 (PyTorch).
 
     Bit for bit what casting `x / scale` to FP8 and back gives under
-    keras_mp's rule (`keras_mp.fp8.codes.encode`): finite values
+    keras_mp's rule (`keras_mp.fp8.formats.e4m3_e5m2.encode`): finite values
     clipped to `±fmax`, then rounded to nearest even on the format's grid
     (subnormals included); inf stays inf in E5M2 and becomes NaN in E4M3;
     NaN stays NaN; the sign of zero is kept. Written without `torch.where`
@@ -236,7 +236,7 @@ def cast(x, dtype):
     return x if x.dtype == target else x.to(target)
 
 
-# Whether `keras_mp.fp8.codes.scale_from_amax` uses
+# Whether `keras_mp.fp8.formats.e4m3_e5m2.scale_from_amax` uses
 # `torch_scale_from_amax` on PyTorch (tests compare the two ways).
 TORCH_BIT_OPS = True
 
@@ -266,7 +266,7 @@ def torch_variable_tensor(variable):
 
 
 def torch_scale_from_amax(amax, exponent, carry, low, high):
-    """`keras_mp.fp8.codes.scale_from_amax` in torch operations, bit for
+    """`keras_mp.fp8.formats.e4m3_e5m2.scale_from_amax` in torch operations, bit for
     bit: the power of two whose biased exponent is `amax`'s, less
     `exponent`, plus one where `amax`'s mantissa bits exceed `0x7FFFFF -
     carry`, clipped to `[low, high]`; 1 where `amax` is 0, `amax` where it

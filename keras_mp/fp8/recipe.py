@@ -26,7 +26,7 @@ SCALE_ROUNDINGS = ("rceil", "floor")
 # NVFP4's blocks and scales are its own too: E2M1 values in blocks of 16
 # along each GEMM's contracted axis (the kernel in 16x16 tiles), each block
 # with an E4M3 scale, and a float32 scale per tensor
-# (`keras_mp/fp8/nvfp4.py`).
+# (`keras_mp/fp8/formats/nvfp4.py`).
 NV_FORMATS = {"nvfp4": "nvfp4"}
 AMAX_ALGOS = ("max", "most_recent")
 

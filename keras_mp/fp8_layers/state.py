@@ -11,10 +11,10 @@ import keras
 from keras_mp import _keras_internals
 from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.fp8 import delayed as delayed_module
-from keras_mp.fp8 import mxfp8
-from keras_mp.fp8 import nvfp4
 from keras_mp.fp8 import stats as stats_module
 from keras_mp.fp8.einsum import kernel_matrix
+from keras_mp.fp8.formats import mxfp8
+from keras_mp.fp8.formats import nvfp4
 from keras_mp.fp8.recipe import NV_FORMATS
 from keras_mp.fp8_layers.decisions import check_layer
 from keras_mp.fp8_layers.decisions import has_gemm

@@ -19,7 +19,7 @@ float32 and int32 `keras.ops` (the codes are computed from their values'
 bits, never cast natively: TensorFlow cannot bitcast float8), identical
 on every backend; `keras_mp.testing.float8_state_reference` is its NumPy
 oracle. Imports `keras_mp._random_bits`, `keras_mp.backend` and
-`keras_mp.fp8.codes`; never a module of `keras_mp.optimizers` above it.
+`keras_mp.fp8.formats.e4m3_e5m2`; never a module of `keras_mp.optimizers` above it.
 """
 
 import math
@@ -31,7 +31,7 @@ from keras import ops
 from keras_mp import _random_bits
 from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.backend import fused_float8_update
-from keras_mp.fp8 import codes as fp8_codes
+from keras_mp.fp8.formats import e4m3_e5m2 as fp8_codes
 
 # Elements per block scale: COAT's group size. Float32 scales cost 4/128
 # of a byte per element (Adam: 2.06 bytes of state per parameter).

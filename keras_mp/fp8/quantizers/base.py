@@ -21,9 +21,9 @@ from keras import ops
 
 from keras_mp.backend import fp8 as fp8_backend
 from keras_mp.fp8 import stats as stats_module
-from keras_mp.fp8.codes import quantize_reduced
+from keras_mp.fp8.formats.e4m3_e5m2 import quantize_reduced
 
-# The layouts of a 2-D operand (`codes.gemm_operands`): row-major, for the
+# The layouts of a 2-D operand (`e4m3_e5m2.gemm_operands`): row-major, for the
 # GEMM that takes it as its A (or its transpose as B), and column-major,
 # for the one that takes it as B (or its transpose as A).
 ROW = ("row",)

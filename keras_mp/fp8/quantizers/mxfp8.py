@@ -1,5 +1,5 @@
 """OCP MXFP8: E4M3 values in blocks of 32 along each GEMM's contracted
-axis, each block with an E8M0 power-of-two scale (`keras_mp/fp8/mxfp8.py`);
+axis, each block with an E8M0 power-of-two scale (`keras_mp/fp8/formats/mxfp8.py`);
 with `formats="mxfp8_hybrid"` the output gradient's blocks hold E5M2.
 
 Every operand is quantized from its high-precision source along the axis
@@ -20,7 +20,7 @@ then a float32 matmul".
 from keras import ops
 
 from keras_mp.backend import fp8 as fp8_backend
-from keras_mp.fp8 import mxfp8
+from keras_mp.fp8.formats import mxfp8
 from keras_mp.fp8.quantizers.base import Quantizer
 from keras_mp.fp8.quantizers.base import pad_rows
 

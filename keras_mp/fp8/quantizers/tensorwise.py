@@ -13,8 +13,8 @@ from keras import ops
 
 from keras_mp.backend import fp8 as fp8_backend
 from keras_mp.fp8 import delayed as delayed_module
-from keras_mp.fp8.codes import quantize_reduced
-from keras_mp.fp8.codes import scale_from_amax
+from keras_mp.fp8.formats.e4m3_e5m2 import quantize_reduced
+from keras_mp.fp8.formats.e4m3_e5m2 import scale_from_amax
 from keras_mp.fp8.quantizers.base import BOTH
 from keras_mp.fp8.quantizers.base import Quantizer
 from keras_mp.fp8.quantizers.base import kernel_operand
