@@ -212,6 +212,14 @@ class Quantizer(abc.ABC):
     # giving the codes of their float32 casts.
     reads_16bit = False
 
+    # The shape a frozen layer stores its kernel in (`frozen_variables`):
+    # `"kernel"`, the layer's own kernel's, or `"matrix"`, its GEMM's
+    # `[K, N]` (where the blocks run along K).
+    frozen_layout = "kernel"
+    # Whether a frozen layer fixes its input's scale (`freeze_kernel`'s
+    # `input_scale`); where not, each call scales its input itself.
+    frozen_input_scale = False
+
     @abc.abstractmethod
     def quantize(self, x, fmt, axis, margin, scale, block_shape):
         """`(codes, scale)` of float32 `x`, as `keras_mp.fp8.quantize`
@@ -237,3 +245,44 @@ class Quantizer(abc.ABC):
     @abc.abstractmethod
     def kernel_gradient(self, call, g):
         """`x^T @ g`."""
+
+    @property
+    def freezes(self):
+        """Whether this quantizer stores a frozen kernel itself
+        (`frozen_variables`, `freeze_kernel`, `kernel_from_frozen`);
+        `keras_mp.fp8.freeze` stores the kernels of the others as
+        tensorwise E4M3 codes and one scale."""
+        return type(self).freeze_kernel is not Quantizer.freeze_kernel
+
+    def _no_frozen_form(self):
+        return ValueError(
+            f"The {self.name!r} quantizer has no frozen form: it does not "
+            "say what a frozen layer stores in place of its float kernel. "
+            f"Received: a frozen ({self.name!r}) layer. Freeze with "
+            "`keras_mp.fp8.freeze`, which stores such kernels as tensorwise "
+            "E4M3 codes, or give the quantizer `frozen_variables`, "
+            "`freeze_kernel` and `kernel_from_frozen`."
+        )
+
+    def frozen_variables(self, shape):
+        """What a frozen layer (`Recipe(scaling="static")`,
+        `keras_mp.fp8.freeze`) stores in place of its float kernel of
+        `shape` (in `frozen_layout`): `{name: (shape, dtype,
+        initializer)}` of non-trainable variables, saved and loaded by
+        these names."""
+        raise self._no_frozen_form()
+
+    def freeze_kernel(self, kernel, recipe, input_scale=None):
+        """`{name: value}` of `frozen_variables` for the float32 `kernel`
+        (in `frozen_layout`) of a layer trained with `recipe`: what its
+        forward GEMM multiplied, stored. `input_scale` is the input's
+        fixed scale (a float) where `frozen_input_scale`, else None."""
+        raise self._no_frozen_form()
+
+    def kernel_from_frozen(self, state, recipe):
+        """`(kernel, arguments)`: from a frozen layer's `{name: tensor}`
+        (`frozen_variables`) and its static `recipe`, the float32 kernel
+        (in `frozen_layout`) its GEMM multiplies and the keyword arguments
+        of `keras_mp.fp8.dot` / `einsum` that run that GEMM (`recipe`,
+        and any fixed scales)."""
+        raise self._no_frozen_form()
