@@ -8,10 +8,16 @@ each quantizing its two operands along that GEMM's contracted axis in the
 layouts the GEMM takes them in. `dot` holds no granularity of its own:
 it asks `keras_mp.fp8.quantizers.get(recipe)` for the quantizer and calls
 the three roles. What one call's roles share (formats, statistics rows,
-result dtypes, delayed scales, saved operands) is a `Call`.
+result dtypes, delayed scales, saved operands) is a `Call`. A quantizer
+also owns what a frozen layer stores in place of its float kernel
+(`frozen_variables`, `freeze_kernel`, `kernel_from_frozen`), so that
+`keras_mp.fp8.freeze` and the layers know no format.
 
 A new format plugs in as one file beside `tensorwise.py`, `rowwise.py` and
-`block.py`: a `Quantizer` subclass, registered in `__init__.py`.
+`block.py`: a `Quantizer` subclass, mapped from its recipes in
+`__init__.py`'s `get`; or, defined outside keras_mp, registered with
+`keras_mp.fp8.quantizers.register`, its `name` the granularity a `Recipe`
+names it by.
 """
 
 import abc
