@@ -10,7 +10,6 @@ as such.
 """
 
 import keras
-import ml_dtypes
 import numpy as np
 
 from keras_mp import _keras_internals
@@ -18,12 +17,10 @@ from keras_mp import fp8
 from keras_mp import fp8_layers
 from keras_mp import policy as policy_module
 from keras_mp.fp8 import delayed as delayed_module
-from keras_mp.fp8 import mxfp8
-from keras_mp.fp8 import nvfp4
+from keras_mp.fp8 import quantizers
 from keras_mp.fp8 import stats as stats_module
-from keras_mp.fp8.codes import scale_from_amax
 from keras_mp.fp8.einsum import kernel_matrix
-from keras_mp.fp8.recipe import NV_FORMATS
+from keras_mp.fp8.formats.e4m3_e5m2 import scale_from_amax
 from keras_mp.policy import Policy
 
 
@@ -98,70 +95,12 @@ def _drop_lora(layer):
         layer.lora_rank = None
 
 
-def _scales_each_input(recipe):
-    """Whether a layer's input is scaled by its call's own blocks (MXFP8,
-    NVFP4): its frozen form then needs no input scale."""
-    return recipe.scale_rounding is not None or recipe.formats in NV_FORMATS
-
-
 def _gemm_matrix(layer, kernel):
     """The kernel as its layer's GEMM multiplies it: `[K, N]`."""
     if isinstance(layer, keras.layers.EinsumDense):
         permutation, k, n = kernel_matrix(layer.equation, kernel.shape)
         kernel = np.transpose(kernel, permutation).reshape(k, n)
     return kernel
-
-
-def _e4m3_bits(codes):
-    """E4M3 codes (a tensor) as uint8 bit patterns: not every backend
-    converts FP8 tensors to NumPy."""
-    values = keras.ops.convert_to_numpy(keras.ops.cast(codes, "float32"))
-    return values.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-
-
-def _tensorwise_state(recipe, kernel, input_scale):
-    """E4M3 codes of the kernel, its power-of-two scale and the input's."""
-    kernel_scale = _scale(np.max(np.abs(kernel)), recipe.margin)
-    # The codes `fp8.quantize` gives (clip, then round to nearest even).
-    codes = np.clip(kernel / kernel_scale, -448.0, 448.0)
-    return {
-        "fp8_kernel_codes": codes.astype(ml_dtypes.float8_e4m3fn).view(
-            np.uint8
-        ),
-        "fp8_kernel_scale": keras.ops.convert_to_numpy(kernel_scale),
-        "fp8_input_scale": np.float32(input_scale),
-    }
-
-
-def _mx_state(layer, recipe, kernel):
-    """An MXFP8 layer's kernel as its GEMM's `[K, N]` matrix, E4M3 codes
-    and E8M0 scales in blocks of 32 along K (the forward GEMM's blocks, so
-    the frozen GEMM multiplies the values training's forward did)."""
-    codes, scale = mxfp8.quantize(
-        _gemm_matrix(layer, kernel),
-        axis=0,
-        scale_rounding=recipe.scale_rounding,
-    )
-    return {
-        "fp8_kernel_codes": _e4m3_bits(codes),
-        "fp8_kernel_scale": keras.ops.convert_to_numpy(scale),
-    }
-
-
-def _nv_state(layer, kernel):
-    """An NVFP4 layer's kernel as its GEMM's `[K, N]` matrix, quantized as
-    training's forward quantizes it (16x16 tiles, round to nearest even):
-    E2M1 codes packed two a byte along K (`[K / 2, N]`), the tiles' E4M3
-    scales (`[K / 16, N / 16]`) and the tensor scale."""
-    tile = (nvfp4.BLOCK_SIZE, nvfp4.BLOCK_SIZE)
-    codes, (block, tensor_scale) = nvfp4.quantize(
-        _gemm_matrix(layer, kernel), block_shape=tile
-    )
-    return {
-        "fp8_kernel_codes": keras.ops.convert_to_numpy(nvfp4.pack(codes, 0)),
-        "fp8_kernel_scale": _e4m3_bits(block),
-        "fp8_kernel_tensor_scale": keras.ops.convert_to_numpy(tensor_scale),
-    }
 
 
 # The fields a frozen layer's recipe keeps from its training recipe.
@@ -175,9 +114,14 @@ _STATIC_FIELDS = (
 
 
 def _static_recipe(recipe):
-    """`Recipe(scaling="static")` of the format `recipe` trained with."""
+    """`Recipe(scaling="static")` of the format `recipe` trained with: of
+    its granularity where its quantizer stores a frozen kernel itself,
+    else tensorwise (rowwise and block kernels freeze as E4M3 codes and
+    one scale)."""
     config = recipe.get_config()
     kept = {name: config[name] for name in _STATIC_FIELDS if name in config}
+    if quantizers.get(recipe).freezes:
+        kept["granularity"] = recipe.granularity
     return fp8.Recipe(scaling="static", **kept)
 
 
@@ -264,12 +208,16 @@ def freeze(model, calibration_data=None):
             f"Layers {frozen} are frozen already. Received: model="
             f"{model.name!r}. Freeze the trained model once."
         )
+    static = {
+        layer: _static_recipe(fp8_layers.layer_recipe(layer))
+        for layer in layers
+    }
     # MXFP8 and NVFP4 scale each call's input by its own blocks: no
     # input scale.
     scales = {
         layer: _input_scale(layer, fp8_layers.layer_recipe(layer))
         for layer in layers
-        if not _scales_each_input(fp8_layers.layer_recipe(layer))
+        if quantizers.get(static[layer]).frozen_input_scale
     }
     missing = [layer for layer, scale in scales.items() if scale is None]
     if missing and calibration_data is None:
@@ -285,19 +233,18 @@ def freeze(model, calibration_data=None):
     if missing:
         scales.update(_calibrated_scales(model, missing, calibration_data))
     for layer in layers:
-        recipe = fp8_layers.layer_recipe(layer)
+        quantizer = quantizers.get(static[layer])
         kernel = _merged_kernel(layer)
-        if recipe.formats in NV_FORMATS:
-            values = _nv_state(layer, kernel)
-        elif recipe.scale_rounding is not None:
-            values = _mx_state(layer, recipe, kernel)
-        else:
-            values = _tensorwise_state(recipe, kernel, scales[layer])
+        if quantizer.frozen_layout == "matrix":
+            kernel = _gemm_matrix(layer, kernel)
+        values = quantizer.freeze_kernel(
+            kernel, static[layer], scales.get(layer)
+        )
         _drop_lora(layer)
         policy = Policy(
             policy_module.layer_policy(layer).name,
             loss_scale=None,
-            fp8=_static_recipe(recipe),
+            fp8=static[layer],
         )
         _keras_internals.replace_layer_policy(layer, policy)
         fp8_layers.sync_stats_carrier(layer)

@@ -21,7 +21,7 @@ from keras import ops
 
 import keras_mp
 from keras_mp import fp8
-from keras_mp.fp8 import nvfp4
+from keras_mp.fp8.formats import nvfp4
 from keras_mp.fp8.quantizers import nvfp4 as nvfp4_quantizer
 from keras_mp.testing import backend_einsum
 from keras_mp.testing import block_spread_operands

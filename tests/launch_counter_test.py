@@ -95,7 +95,7 @@ _TRITON_SCRIPT = textwrap.dedent(
     """
     import torch
 
-    from keras_mp.backend import torch_fp8_operands
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
     from keras_mp.testing import count_torch_launches
 
     torch_fp8_operands.FORCED = "triton"

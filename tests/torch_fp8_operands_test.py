@@ -72,7 +72,7 @@ def test_both_layouts_hold_the_oracles_codes_bit_for_bit(
     import torch
 
     from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
-    from keras_mp.fp8.codes import encode
+    from keras_mp.fp8.formats.e4m3_e5m2 import encode
 
     monkeypatch.setattr(torch_fp8_operands, "FORCED", implementation)
     x, scale = _inputs(fmt)

@@ -25,7 +25,7 @@ from keras_mp.fp8 import delayed as delayed_module
 from keras_mp.fp8 import quantizers
 from keras_mp.fp8 import recipe as recipe_module
 from keras_mp.fp8 import stats as stats_module
-from keras_mp.fp8.codes import check_float
+from keras_mp.fp8.formats.e4m3_e5m2 import check_float
 
 
 def _check_operands(x, kernel, recipe, output_dtype, delayed=None):

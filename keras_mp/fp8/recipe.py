@@ -14,6 +14,11 @@ from keras_mp import _config
 
 SCALINGS = ("current", "delayed", "static")
 GRANULARITIES = ("tensorwise", "rowwise", "block")
+# Granularities a format plugs in (`keras_mp.fp8.quantizers.register`):
+# the name of a quantizer that runs a recipe's GEMMs, with current scaling
+# (or static: a layer `keras_mp.fp8.freeze` froze with that quantizer's
+# own frozen form).
+PLUGGED_GRANULARITIES = set()
 FORMATS = ("hybrid", "e4m3", "mxfp8", "mxfp8_hybrid", "nvfp4")
 # The formats whose blocks and scales are their own (OCP MX: 32 values
 # along each GEMM's contracted axis share an E8M0 scale), by granularity.
@@ -26,7 +31,7 @@ SCALE_ROUNDINGS = ("rceil", "floor")
 # NVFP4's blocks and scales are its own too: E2M1 values in blocks of 16
 # along each GEMM's contracted axis (the kernel in 16x16 tiles), each block
 # with an E4M3 scale, and a float32 scale per tensor
-# (`keras_mp/fp8/nvfp4.py`).
+# (`keras_mp/fp8/formats/nvfp4.py`).
 NV_FORMATS = {"nvfp4": "nvfp4"}
 AMAX_ALGOS = ("max", "most_recent")
 
@@ -105,7 +110,11 @@ def _check_mx(formats, granularity, scale_rounding, scaling, margin):
     if own is None:
         if granularity is None:
             granularity = "tensorwise"
-        check_choice("granularity", granularity, GRANULARITIES)
+        check_choice(
+            "granularity",
+            granularity,
+            GRANULARITIES + tuple(sorted(PLUGGED_GRANULARITIES)),
+        )
         if scale_rounding is not None:
             raise ValueError(
                 "`scale_rounding` is how an MX block's E8M0 scale is "
@@ -287,9 +296,11 @@ class Recipe:
             the MX formats' own, 32 values along each GEMM's contracted
             axis (given by `formats="mxfp8"`). `"nvfp4"`: NVFP4's own, 16
             values along each GEMM's contracted axis and 16x16 kernel
-            tiles (given by `formats="nvfp4"`). Defaults to `None`: the
-            format's own for `"mxfp8"` and `"nvfp4"`, `"tensorwise"`
-            otherwise.
+            tiles (given by `formats="nvfp4"`). Or the name of a
+            quantizer plugged in by `keras_mp.fp8.quantizers.register`
+            (current scaling), which then runs the GEMMs. Defaults to
+            `None`: the format's own for `"mxfp8"` and `"nvfp4"`,
+            `"tensorwise"` otherwise.
         formats: `"hybrid"` (E4M3 for inputs and kernels, E5M2 for output
             gradients, whose range matters more than their precision),
             `"e4m3"` (E4M3 everywhere), or `"mxfp8"` (OCP MXFP8: E4M3
@@ -442,6 +453,9 @@ class Recipe:
             and granularity != "tensorwise"
             and formats not in MX_FORMATS
             and formats not in NV_FORMATS
+            and not (
+                scaling == "static" and granularity in PLUGGED_GRANULARITIES
+            )
         ):
             raise ValueError(
                 f"{scaling.capitalize()} scaling keeps one scale per tensor "

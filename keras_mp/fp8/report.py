@@ -15,10 +15,10 @@ import keras
 import numpy as np
 
 from keras_mp import _keras_internals
-from keras_mp.fp8 import mxfp8
-from keras_mp.fp8 import nvfp4
 from keras_mp.fp8 import stats as stats_module
-from keras_mp.fp8.codes import scale_from_amax
+from keras_mp.fp8.formats import mxfp8
+from keras_mp.fp8.formats import nvfp4
+from keras_mp.fp8.formats.e4m3_e5m2 import scale_from_amax
 from keras_mp.fp8.recipe import NV_FORMATS
 
 _HOW_TO_COUNT = (

@@ -49,7 +49,7 @@ from keras_mp._keras_internals import constant
 from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.backend.torch import delayed as torch_delayed
 from keras_mp.backend.torch import ops as torch_ops
-from keras_mp.fp8.codes import FORMATS
+from keras_mp.fp8.formats.e4m3_e5m2 import FORMATS
 
 TENSORS = ("input", "kernel", "output_gradient")
 HISTOGRAM_BINS = 512
@@ -117,7 +117,7 @@ def tensor_row(x, scale, fmt, counts=True, amax=None):
 def counted_row(x, flushed, saturated, amax=None):
     """The statistics row of float32 `x` whose quantization counted its
     own flushed and saturated values (NVFP4's, from its codes and two-level
-    scales: `keras_mp.fp8.nvfp4.flushed_and_saturated`).
+    scales: `keras_mp.fp8.formats.nvfp4.flushed_and_saturated`).
 
     Args:
         x: The float32 tensor that was quantized.

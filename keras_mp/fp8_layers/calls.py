@@ -7,17 +7,13 @@ dtype; every other layer runs Keras's call unchanged.
 import functools
 
 import keras
-import ml_dtypes
 import numpy as np
 
 from keras_mp import fp8
 from keras_mp.backend import fp8 as backend_fp8
-from keras_mp.fp8 import delayed as delayed_module
-from keras_mp.fp8 import mxfp8
-from keras_mp.fp8 import nvfp4
+from keras_mp.fp8 import quantizers
 from keras_mp.fp8 import rules as rules_module
 from keras_mp.fp8.einsum import kernel_matrix
-from keras_mp.fp8.recipe import NV_FORMATS
 from keras_mp.fp8_layers import lora
 from keras_mp.fp8_layers.decisions import layer_recipe
 from keras_mp.fp8_layers.state import delayed_scaling
@@ -25,15 +21,12 @@ from keras_mp.fp8_layers.state import static_state
 from keras_mp.fp8_layers.state import stats_input
 from keras_mp.fp8_layers.state import stored
 
-# The float32 value of each E4M3 code, by its bit pattern.
-_E4M3_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
-_E4M3_VALUES = _E4M3_VALUES.astype(np.float32)
-
 
 def _static_output(layer, recipe, inputs, training, equation=None):
-    """A frozen layer's GEMM: the input quantized with its fixed scale, the
-    stored kernel codes with theirs (the same FP8 GEMM `fp8.dot` runs, on
-    the same codes). For inference only."""
+    """A frozen layer's GEMM: the kernel its recipe's quantizer gives back
+    from the stored codes and scales (`Quantizer.kernel_from_frozen`),
+    multiplied as that quantizer says (the same FP8 GEMM `fp8.dot` runs,
+    on the same values). For inference only."""
     if training:
         raise ValueError(
             f"Layer {layer.name!r} was frozen for inference by "
@@ -42,78 +35,17 @@ def _static_output(layer, recipe, inputs, training, equation=None):
             "model before freezing it, and use the frozen one with "
             "`predict` or `model(x)`."
         )
-    state = static_state(layer)
-    if recipe.formats in NV_FORMATS:
-        return _static_nv_output(layer, recipe, inputs, state, equation)
-    if recipe.scale_rounding is not None:
-        return _static_mx_output(layer, recipe, inputs, state, equation)
-    ops = keras.ops
-    codes = ops.cast(stored(state["fp8_kernel_codes"]), "int32")
-    kernel_scale = stored(state["fp8_kernel_scale"])
-    kernel = ops.take(_E4M3_VALUES, codes) * kernel_scale
-    scaling = delayed_module.Scaling(
-        scales=ops.stack([stored(state["fp8_input_scale"]), kernel_scale, 1.0]),
-        first=ops.convert_to_tensor(False),
-        parity=ops.zeros((2,), "float32"),
-        loss_scale=ops.convert_to_tensor(1.0, "float32"),
-    )
-    gemm_recipe = fp8.Recipe(
-        scaling="delayed", formats=recipe.formats, margin=recipe.margin
-    )
-    kwargs = dict(
-        recipe=gemm_recipe,
-        output_dtype=layer.compute_dtype,
-        stats=ops.zeros(delayed_module.CARRIER_SHAPE, "float32"),
-        delayed=scaling,
-    )
-    return _gemm(equation, inputs, kernel, **kwargs)
-
-
-def _static_mx_output(layer, recipe, inputs, state, equation):
-    """A frozen MXFP8 layer's GEMM: its stored codes and E8M0 scales
-    dequantized to the kernel, whose quantization along K gives back the
-    same values, and the input quantized by the call, as in training."""
-    ops = keras.ops
-    codes = ops.take(
-        _E4M3_VALUES, ops.cast(stored(state["fp8_kernel_codes"]), "int32")
-    )
-    matrix = mxfp8.dequantize(
-        ops.cast(codes, "float8_e4m3fn"), stored(state["fp8_kernel_scale"]), 0
-    )
-    current = fp8.Recipe(
-        formats=recipe.formats, scale_rounding=recipe.scale_rounding
-    )
+    state = {name: stored(v) for name, v in static_state(layer).items()}
+    quantizer = quantizers.get(recipe)
+    kernel, arguments = quantizer.kernel_from_frozen(state, recipe)
+    if quantizer.frozen_layout == "matrix":
+        kernel = _layer_kernel(layer, kernel, equation)
     return _gemm(
         equation,
         inputs,
-        _layer_kernel(layer, matrix, equation),
-        recipe=current,
+        kernel,
         output_dtype=layer.compute_dtype,
-    )
-
-
-def _static_nv_output(layer, recipe, inputs, state, equation):
-    """A frozen NVFP4 layer's GEMM: its packed E2M1 codes, E4M3 tile
-    scales and tensor scale dequantized to the values training's forward
-    multiplied, which the static recipe's GEMM takes as they are, and the
-    input quantized by the call, as in training."""
-    ops = keras.ops
-    codes = nvfp4.unpack(stored(state["fp8_kernel_codes"]), 0)
-    block = ops.take(
-        _E4M3_VALUES, ops.cast(stored(state["fp8_kernel_scale"]), "int32")
-    )
-    tile = (nvfp4.BLOCK_SIZE, nvfp4.BLOCK_SIZE)
-    matrix = nvfp4.dequantize(
-        codes,
-        (block, stored(state["fp8_kernel_tensor_scale"])),
-        block_shape=tile,
-    )
-    return _gemm(
-        equation,
-        inputs,
-        _layer_kernel(layer, matrix, equation),
-        recipe=recipe,
-        output_dtype=layer.compute_dtype,
+        **arguments,
     )
 
 

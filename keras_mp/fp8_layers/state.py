@@ -11,11 +11,9 @@ import keras
 from keras_mp import _keras_internals
 from keras_mp.backend.torch import ops as torch_ops
 from keras_mp.fp8 import delayed as delayed_module
-from keras_mp.fp8 import mxfp8
-from keras_mp.fp8 import nvfp4
+from keras_mp.fp8 import quantizers
 from keras_mp.fp8 import stats as stats_module
 from keras_mp.fp8.einsum import kernel_matrix
-from keras_mp.fp8.recipe import NV_FORMATS
 from keras_mp.fp8_layers.decisions import check_layer
 from keras_mp.fp8_layers.decisions import has_gemm
 from keras_mp.fp8_layers.decisions import layer_recipe
@@ -130,42 +128,23 @@ def _add_delayed_state(layer, history):
 
 
 def _make_static(layer, recipe):
-    """Gives a layer the state of a static (frozen) recipe, in place of
-    its float kernel: the kernel's FP8 E4M3 codes (uint8 bit patterns),
-    the kernel's scale and the input's (assigned by `fp8.freeze` or a
-    load). With `formats="mxfp8"`: the codes of the kernel as its GEMM's
-    `[K, N]` matrix and their E8M0 block scales along K (uint8, `[K / 32,
-    N]`); with `formats="nvfp4"`: that matrix's E2M1 codes two a byte
-    along K (uint8 `[K / 2, N]`, the first code of a pair in the low
-    nibble), the E4M3 scales of its 16x16 tiles (uint8 bits, `[K / 16,
-    N / 16]`) and its float32 tensor scale (`fp8_kernel_tensor_scale`);
-    the input's scales come from each call in both."""
+    """Gives a layer the state of a static (frozen) recipe in place of its
+    float kernel: what the recipe's quantizer stores of a frozen kernel
+    (`Quantizer.frozen_variables`: E4M3 codes as uint8 bit patterns and
+    their scales; for tensorwise recipes also the input's scale), in the
+    kernel's shape or its GEMM's `[K, N]` (`frozen_layout`), assigned by
+    `fp8.freeze` or a load."""
     if layer._kernel is None:
         return
+    quantizer = quantizers.get(recipe)
     shape = tuple(layer._kernel.shape)
+    stored_shape = shape
+    if quantizer.frozen_layout == "matrix":
+        stored_shape = kernel_matrix_shape(layer, shape)
+    specs = quantizer.frozen_variables(stored_shape)
     layer._keras_mp_fp8_kernel_shape = shape
     _keras_internals.untrack_variable(layer, layer._kernel)
     layer._kernel = None
-    if recipe.formats in NV_FORMATS:
-        k, n = kernel_matrix_shape(layer, shape)
-        tile = nvfp4.BLOCK_SIZE
-        specs = {
-            "fp8_kernel_codes": ((k // 2, n), "uint8", "zeros"),
-            "fp8_kernel_scale": ((k // tile, n // tile), "uint8", "zeros"),
-            "fp8_kernel_tensor_scale": ((), "float32", "ones"),
-        }
-    elif recipe.scale_rounding is not None:
-        k, n = kernel_matrix_shape(layer, shape)
-        specs = {
-            "fp8_kernel_codes": ((k, n), "uint8", "zeros"),
-            "fp8_kernel_scale": ((k // mxfp8.BLOCK, n), "uint8", "zeros"),
-        }
-    else:
-        specs = {
-            "fp8_kernel_codes": (shape, "uint8", "zeros"),
-            "fp8_kernel_scale": ((), "float32", "ones"),
-            "fp8_input_scale": ((), "float32", "ones"),
-        }
     _add_tagged_state(layer, _STATIC_TAG, specs)
 
 

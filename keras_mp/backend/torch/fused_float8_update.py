@@ -40,9 +40,9 @@ class FusedFloat8Update:
     values of E4M3, as `index_select` with int32 indices).
 
     Args:
-        scale_from_amax: `keras_mp.fp8.codes.scale_from_amax`.
+        scale_from_amax: `keras_mp.fp8.formats.e4m3_e5m2.scale_from_amax`.
         values: The float32 values of the 256 codes (a NumPy array), those
-            `float8_state._decode` looks up.
+            `e4m3_e5m2.e4m3_values` looks up.
     """
 
     def __init__(self, scale_from_amax, values):
@@ -202,7 +202,7 @@ class FusedFloat8Update:
         # y = x / scale
         y.copy_(x)
         _per_block(y, scales, "div_")
-        # `float8_state._encode`, step by step.
+        # `e4m3_e5m2.e4m3_bits`, step by step.
         bits = y.view(torch.int32)
         torch.bitwise_and(bits, 0x7FFFFFFF, out=i0)  # |y|
         torch.bitwise_right_shift(i0, 23, out=i1)

@@ -1,7 +1,9 @@
 """The quantizers `dot` asks per GEMM role: one object per format and
-scale granularity, one file each (`base.py` says what a quantizer is).
+scale granularity, one file each (`base.py` says what a quantizer is);
+`register` plugs in one defined outside keras_mp.
 """
 
+from keras_mp.fp8 import recipe as recipe_module
 from keras_mp.fp8.quantizers.base import Call
 from keras_mp.fp8.quantizers.base import Dtypes
 from keras_mp.fp8.quantizers.base import Quantizer
@@ -36,6 +38,44 @@ def nv(stochastic_rounding=True, hadamard=True):
     return _NV[(stochastic_rounding, hadamard)]
 
 
+# The quantizers plugged in by `register`, by name.
+_PLUGGED = {}
+
+
+def register(quantizer):
+    """Plugs in a format: `quantizer` runs the GEMMs of every
+    `keras_mp.fp8.Recipe(granularity=quantizer.name)` (current scaling;
+    `keras_mp.fp8.freeze` stores a kernel in its own frozen form where it
+    has one, `Quantizer.frozen_variables`). `dot`, `einsum`, the layers,
+    `keras_mp.fp8.report` (through `Call.observe`) and saving need
+    nothing more. Registering a name again replaces its quantizer.
+
+    Args:
+        quantizer: A `Quantizer` instance whose `name` is a string other
+            than a built-in granularity's.
+
+    Returns:
+        `quantizer`.
+    """
+    if not isinstance(quantizer, Quantizer):
+        raise TypeError(
+            "`register` takes a `keras_mp.fp8.quantizers.Quantizer` "
+            f"instance. Received: quantizer={quantizer!r}. Subclass "
+            "`Quantizer` and pass an instance of it."
+        )
+    name = quantizer.name
+    builtin = recipe_module.GRANULARITIES + ("microblock", "nvfp4")
+    if not isinstance(name, str) or not name or name in builtin:
+        raise ValueError(
+            "A plugged-in quantizer's `name` is the granularity a Recipe "
+            f"names it by: a string other than {list(builtin)}. Received: "
+            f"name={name!r}. Give the Quantizer subclass a new `name`."
+        )
+    _PLUGGED[name] = quantizer
+    recipe_module.PLUGGED_GRANULARITIES.add(name)
+    return quantizer
+
+
 def get(recipe):
     """The quantizer of a recipe's GEMMs (its high-precision role, where
     it has one, unquantized)."""
@@ -45,6 +85,8 @@ def get(recipe):
         quantizer = nv(recipe.stochastic_rounding, recipe.hadamard)
     elif recipe.granularity == "microblock":
         quantizer = mx(recipe.scale_rounding)
+    elif recipe.granularity in _PLUGGED:
+        quantizer = _PLUGGED[recipe.granularity]
     else:
         quantizer = BY_GRANULARITY[recipe.granularity]
     if recipe.high_precision is not None:
@@ -65,4 +107,5 @@ __all__ = [
     "get",
     "mx",
     "nv",
+    "register",
 ]

@@ -8,10 +8,16 @@ each quantizing its two operands along that GEMM's contracted axis in the
 layouts the GEMM takes them in. `dot` holds no granularity of its own:
 it asks `keras_mp.fp8.quantizers.get(recipe)` for the quantizer and calls
 the three roles. What one call's roles share (formats, statistics rows,
-result dtypes, delayed scales, saved operands) is a `Call`.
+result dtypes, delayed scales, saved operands) is a `Call`. A quantizer
+also owns what a frozen layer stores in place of its float kernel
+(`frozen_variables`, `freeze_kernel`, `kernel_from_frozen`), so that
+`keras_mp.fp8.freeze` and the layers know no format.
 
 A new format plugs in as one file beside `tensorwise.py`, `rowwise.py` and
-`block.py`: a `Quantizer` subclass, registered in `__init__.py`.
+`block.py`: a `Quantizer` subclass, mapped from its recipes in
+`__init__.py`'s `get`; or, defined outside keras_mp, registered with
+`keras_mp.fp8.quantizers.register`, its `name` the granularity a `Recipe`
+names it by.
 """
 
 import abc
@@ -21,9 +27,9 @@ from keras import ops
 
 from keras_mp.backend.torch import versions as torch_versions
 from keras_mp.fp8 import stats as stats_module
-from keras_mp.fp8.codes import quantize_reduced
+from keras_mp.fp8.formats.e4m3_e5m2 import quantize_reduced
 
-# The layouts of a 2-D operand (`codes.gemm_operands`): row-major, for the
+# The layouts of a 2-D operand (`e4m3_e5m2.gemm_operands`): row-major, for the
 # GEMM that takes it as its A (or its transpose as B), and column-major,
 # for the one that takes it as B (or its transpose as A).
 ROW = ("row",)
@@ -212,6 +218,14 @@ class Quantizer(abc.ABC):
     # giving the codes of their float32 casts.
     reads_16bit = False
 
+    # The shape a frozen layer stores its kernel in (`frozen_variables`):
+    # `"kernel"`, the layer's own kernel's, or `"matrix"`, its GEMM's
+    # `[K, N]` (where the blocks run along K).
+    frozen_layout = "kernel"
+    # Whether a frozen layer fixes its input's scale (`freeze_kernel`'s
+    # `input_scale`); where not, each call scales its input itself.
+    frozen_input_scale = False
+
     @abc.abstractmethod
     def quantize(self, x, fmt, axis, margin, scale, block_shape):
         """`(codes, scale)` of float32 `x`, as `keras_mp.fp8.quantize`
@@ -237,3 +251,44 @@ class Quantizer(abc.ABC):
     @abc.abstractmethod
     def kernel_gradient(self, call, g):
         """`x^T @ g`."""
+
+    @property
+    def freezes(self):
+        """Whether this quantizer stores a frozen kernel itself
+        (`frozen_variables`, `freeze_kernel`, `kernel_from_frozen`);
+        `keras_mp.fp8.freeze` stores the kernels of the others as
+        tensorwise E4M3 codes and one scale."""
+        return type(self).freeze_kernel is not Quantizer.freeze_kernel
+
+    def _no_frozen_form(self):
+        return ValueError(
+            f"The {self.name!r} quantizer has no frozen form: it does not "
+            "say what a frozen layer stores in place of its float kernel. "
+            f"Received: a frozen ({self.name!r}) layer. Freeze with "
+            "`keras_mp.fp8.freeze`, which stores such kernels as tensorwise "
+            "E4M3 codes, or give the quantizer `frozen_variables`, "
+            "`freeze_kernel` and `kernel_from_frozen`."
+        )
+
+    def frozen_variables(self, shape):
+        """What a frozen layer (`Recipe(scaling="static")`,
+        `keras_mp.fp8.freeze`) stores in place of its float kernel of
+        `shape` (in `frozen_layout`): `{name: (shape, dtype,
+        initializer)}` of non-trainable variables, saved and loaded by
+        these names."""
+        raise self._no_frozen_form()
+
+    def freeze_kernel(self, kernel, recipe, input_scale=None):
+        """`{name: value}` of `frozen_variables` for the float32 `kernel`
+        (in `frozen_layout`) of a layer trained with `recipe`: what its
+        forward GEMM multiplied, stored. `input_scale` is the input's
+        fixed scale (a float) where `frozen_input_scale`, else None."""
+        raise self._no_frozen_form()
+
+    def kernel_from_frozen(self, state, recipe):
+        """`(kernel, arguments)`: from a frozen layer's `{name: tensor}`
+        (`frozen_variables`) and its static `recipe`, the float32 kernel
+        (in `frozen_layout`) its GEMM multiplies and the keyword arguments
+        of `keras_mp.fp8.dot` / `einsum` that run that GEMM (`recipe`,
+        and any fixed scales)."""
+        raise self._no_frozen_form()

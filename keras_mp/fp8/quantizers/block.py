@@ -9,7 +9,7 @@ multiplied by its own scales, and the chunks are summed in float32.
 from keras import ops
 
 from keras_mp.backend import fp8 as fp8_backend
-from keras_mp.fp8.codes import quantize_reduced
+from keras_mp.fp8.formats.e4m3_e5m2 import quantize_reduced
 from keras_mp.fp8.quantizers.base import ROW
 from keras_mp.fp8.quantizers.base import Quantizer
 from keras_mp.fp8.quantizers.base import kernel_operand

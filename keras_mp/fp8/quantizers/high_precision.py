@@ -30,6 +30,20 @@ class HighPrecision(Quantizer):
         # A high-precision kernel gradient multiplies the input itself.
         return self.role == "backward" or self.inner.backward_reads_input
 
+    # A frozen layer runs its forward GEMM only, as `inner` stores it.
+    frozen_layout = property(lambda self: self.inner.frozen_layout)
+    frozen_input_scale = property(lambda self: self.inner.frozen_input_scale)
+    freezes = property(lambda self: self.inner.freezes)
+
+    def frozen_variables(self, shape):
+        return self.inner.frozen_variables(shape)
+
+    def freeze_kernel(self, kernel, recipe, input_scale=None):
+        return self.inner.freeze_kernel(kernel, recipe, input_scale)
+
+    def kernel_from_frozen(self, state, recipe):
+        return self.inner.kernel_from_frozen(state, recipe)
+
     def quantize(self, x, fmt, axis, margin, scale, block_shape):
         return self.inner.quantize(x, fmt, axis, margin, scale, block_shape)
 

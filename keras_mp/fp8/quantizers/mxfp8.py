@@ -1,5 +1,5 @@
 """OCP MXFP8: E4M3 values in blocks of 32 along each GEMM's contracted
-axis, each block with an E8M0 power-of-two scale (`keras_mp/fp8/mxfp8.py`);
+axis, each block with an E8M0 power-of-two scale (`keras_mp/fp8/formats/mxfp8.py`);
 with `formats="mxfp8_hybrid"` the output gradient's blocks hold E5M2.
 
 Every operand is quantized from its high-precision source along the axis
@@ -21,9 +21,12 @@ from keras import ops
 
 from keras_mp.backend import fp8 as fp8_backend
 from keras_mp.backend.torch import versions as torch_versions
-from keras_mp.fp8 import mxfp8
+from keras_mp.fp8.formats import mxfp8
+from keras_mp.fp8.formats.e4m3_e5m2 import e4m3_bits
+from keras_mp.fp8.formats.e4m3_e5m2 import e4m3_values
 from keras_mp.fp8.quantizers.base import Quantizer
 from keras_mp.fp8.quantizers.base import pad_rows
+from keras_mp.fp8.recipe import Recipe
 
 
 class Mxfp8(Quantizer):
@@ -31,6 +34,8 @@ class Mxfp8(Quantizer):
 
     name = "microblock"
     quantizes_from_source = True
+    # A frozen kernel is stored in the forward GEMM's blocks, along K.
+    frozen_layout = "matrix"
 
     def __init__(self, scale_rounding="rceil"):
         self.scale_rounding = scale_rounding
@@ -107,3 +112,37 @@ class Mxfp8(Quantizer):
             call, "output_gradient", g, call.backward_format
         )
         return fp8_backend.einsum_float32("mk,mn->kn", vx, vg, call.dtypes.dw)
+
+    def frozen_variables(self, shape):
+        # E4M3 codes of the `[K, N]` kernel (uint8 bit patterns) and their
+        # E8M0 block scales along K: 1.03 bytes a weight.
+        k, n = shape
+        return {
+            "fp8_kernel_codes": ((k, n), "uint8", "zeros"),
+            "fp8_kernel_scale": ((k // mxfp8.BLOCK, n), "uint8", "zeros"),
+        }
+
+    def freeze_kernel(self, kernel, recipe, input_scale=None):
+        # The forward GEMM's blocks, so the frozen GEMM multiplies the
+        # values training's forward did.
+        codes, scale = mxfp8.quantize(
+            ops.convert_to_tensor(kernel, "float32"),
+            axis=0,
+            scale_rounding=self.scale_rounding,
+        )
+        return {
+            "fp8_kernel_codes": e4m3_bits(ops.cast(codes, "float32")),
+            "fp8_kernel_scale": scale,
+        }
+
+    def kernel_from_frozen(self, state, recipe):
+        # The stored values, whose quantization along K by the forward
+        # gives them back; the input quantized by the call, as in training.
+        codes = e4m3_values(state["fp8_kernel_codes"])
+        matrix = mxfp8.dequantize(
+            ops.cast(codes, "float8_e4m3fn"), state["fp8_kernel_scale"], 0
+        )
+        current = Recipe(
+            formats=recipe.formats, scale_rounding=recipe.scale_rounding
+        )
+        return matrix, dict(recipe=current)

@@ -1,5 +1,5 @@
 """NVFP4: E2M1 values in blocks of 16, E4M3 block scales and a float32
-tensor scale (`keras_mp/fp8/nvfp4.py`), after Transformer Engine's NVFP4
+tensor scale (`keras_mp/fp8/formats/nvfp4.py`), after Transformer Engine's NVFP4
 recipe (`NVFP4BlockScaling`).
 
 Every operand is quantized from its high-precision source along the axis
@@ -36,7 +36,9 @@ from keras import ops
 from keras_mp import _random_bits
 from keras_mp.backend import fp8 as fp8_backend
 from keras_mp.backend.torch import versions as torch_versions
-from keras_mp.fp8 import nvfp4
+from keras_mp.fp8.formats import nvfp4
+from keras_mp.fp8.formats.e4m3_e5m2 import e4m3_bits
+from keras_mp.fp8.formats.e4m3_e5m2 import e4m3_values
 from keras_mp.fp8.quantizers.base import Quantizer
 from keras_mp.fp8.quantizers.base import pad_rows
 
@@ -104,6 +106,8 @@ class Nvfp4(Quantizer):
 
     name = "nvfp4"
     quantizes_from_source = True
+    # A frozen kernel is stored in the forward GEMM's 16x16 tiles.
+    frozen_layout = "matrix"
 
     def __init__(self, stochastic_rounding=True, hadamard=True):
         self.stochastic_rounding = stochastic_rounding
@@ -168,6 +172,43 @@ class Nvfp4(Quantizer):
         vg = self._values(call, "output_gradient", g, 1, bits)
         vw = self._kernel_values(call, call.saved["w"])
         return fp8_backend.einsum_float32("mn,kn->mk", vg, vw)
+
+    def frozen_variables(self, shape):
+        # The `[K, N]` kernel's E2M1 codes two a byte along K (the first
+        # of a pair in the low nibble), its tiles' E4M3 scales (uint8
+        # bits) and its tensor scale: 0.504 bytes a weight.
+        k, n = shape
+        tile = nvfp4.BLOCK_SIZE
+        return {
+            "fp8_kernel_codes": ((k // 2, n), "uint8", "zeros"),
+            "fp8_kernel_scale": ((k // tile, n // tile), "uint8", "zeros"),
+            "fp8_kernel_tensor_scale": ((), "float32", "ones"),
+        }
+
+    def freeze_kernel(self, kernel, recipe, input_scale=None):
+        # As training's forward quantizes it: 16x16 tiles, round to
+        # nearest even.
+        codes, (block, tensor_scale) = nvfp4.quantize(
+            ops.convert_to_tensor(kernel, "float32"), block_shape=TILE
+        )
+        return {
+            "fp8_kernel_codes": nvfp4.pack(codes, 0),
+            "fp8_kernel_scale": e4m3_bits(ops.cast(block, "float32")),
+            "fp8_kernel_tensor_scale": tensor_scale,
+        }
+
+    def kernel_from_frozen(self, state, recipe):
+        # The values training's forward multiplied, which the static
+        # recipe's GEMM (`FrozenNvfp4`) takes as they are.
+        matrix = nvfp4.dequantize(
+            nvfp4.unpack(state["fp8_kernel_codes"], 0),
+            (
+                e4m3_values(state["fp8_kernel_scale"]),
+                state["fp8_kernel_tensor_scale"],
+            ),
+            block_shape=TILE,
+        )
+        return matrix, dict(recipe=recipe)
 
     def kernel_gradient(self, call, g):
         k, n = call.saved["w"].shape

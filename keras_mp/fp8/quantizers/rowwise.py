@@ -8,7 +8,7 @@ another axis, in the layout that GEMM takes it in.
 from keras import ops
 
 from keras_mp.backend import fp8 as fp8_backend
-from keras_mp.fp8.codes import quantize_reduced
+from keras_mp.fp8.formats.e4m3_e5m2 import quantize_reduced
 from keras_mp.fp8.quantizers.base import COLUMN
 from keras_mp.fp8.quantizers.base import ROW
 from keras_mp.fp8.quantizers.base import Quantizer

@@ -14,12 +14,15 @@ from keras import ops
 from keras_mp.backend import fp8 as fp8_backend
 from keras_mp.backend.torch import ops as torch_ops
 from keras_mp.fp8 import delayed as delayed_module
-from keras_mp.fp8.codes import quantize_reduced
-from keras_mp.fp8.codes import scale_from_amax
+from keras_mp.fp8.formats.e4m3_e5m2 import e4m3_bits
+from keras_mp.fp8.formats.e4m3_e5m2 import e4m3_values
+from keras_mp.fp8.formats.e4m3_e5m2 import quantize_reduced
+from keras_mp.fp8.formats.e4m3_e5m2 import scale_from_amax
 from keras_mp.fp8.quantizers.base import BOTH
 from keras_mp.fp8.quantizers.base import Quantizer
 from keras_mp.fp8.quantizers.base import kernel_operand
 from keras_mp.fp8.quantizers.base import operand
+from keras_mp.fp8.recipe import Recipe
 
 
 def _delayed_scales(call, tensors, fmt):
@@ -82,6 +85,9 @@ class Tensorwise(Quantizer):
     # (a float32 cast first wrote and read twice the tensor's bytes again:
     # for the output gradient of a 16k-token, 16384-wide layer, 1.3 GB).
     reads_16bit = True
+    # A frozen layer's forward multiplies the input's codes at a fixed
+    # scale: one scale per tensor leaves none for a call to choose.
+    frozen_input_scale = True
 
     def quantize(self, x, fmt, axis, margin, scale, block_shape):
         codes, scale = quantize_reduced(x, fmt, None, margin, scale)
@@ -137,3 +143,44 @@ class Tensorwise(Quantizer):
             saved["sx"] * sg,
             call.dtypes.dw,
         )
+
+    def frozen_variables(self, shape):
+        # The kernel's E4M3 codes (uint8 bit patterns) in its own shape,
+        # its power-of-two scale and the input's.
+        return {
+            "fp8_kernel_codes": (shape, "uint8", "zeros"),
+            "fp8_kernel_scale": ((), "float32", "ones"),
+            "fp8_input_scale": ((), "float32", "ones"),
+        }
+
+    def freeze_kernel(self, kernel, recipe, input_scale=None):
+        kernel = ops.convert_to_tensor(kernel, "float32")
+        scale = scale_from_amax(ops.max(ops.abs(kernel)), "e4m3", recipe.margin)
+        # The codes `fp8.quantize` gives: clipped to 448, rounded to
+        # nearest even.
+        return {
+            "fp8_kernel_codes": e4m3_bits(ops.clip(kernel / scale, -448, 448)),
+            "fp8_kernel_scale": scale,
+            "fp8_input_scale": ops.convert_to_tensor(input_scale, "float32"),
+        }
+
+    def kernel_from_frozen(self, state, recipe):
+        # Delayed scaling's GEMM with the stored scales as its history's:
+        # the codes of the kernel are the stored ones, and the input's are
+        # those of its fixed scale.
+        kernel_scale = state["fp8_kernel_scale"]
+        kernel = e4m3_values(state["fp8_kernel_codes"]) * kernel_scale
+        scaling = delayed_module.Scaling(
+            scales=ops.stack([state["fp8_input_scale"], kernel_scale, 1.0]),
+            first=ops.convert_to_tensor(False),
+            parity=ops.zeros((2,), "float32"),
+            loss_scale=ops.convert_to_tensor(1.0, "float32"),
+        )
+        arguments = dict(
+            recipe=Recipe(
+                scaling="delayed", formats=recipe.formats, margin=recipe.margin
+            ),
+            stats=ops.zeros(delayed_module.CARRIER_SHAPE, "float32"),
+            delayed=scaling,
+        )
+        return kernel, arguments
