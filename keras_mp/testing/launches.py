@@ -19,6 +19,7 @@ _NO_KERNEL = frozenset(
         "aten::resize_",
         "aten::set_",
         "aten::lift_fresh",
+        "aten::_unsafe_view",
         "aten::_local_scalar_dense",
         "aten::is_nonzero",
         "aten::sym_size",
