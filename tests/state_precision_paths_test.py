@@ -366,7 +366,7 @@ def test_second_notebook_model_after_float32_gets_no_islands(set_float32):
 def test_keras_set_global_policy_turns_the_islands_off_as_documented():
     keras_mp.set_global_policy("mixed_bfloat16", float32_islands="default")
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    assert global_policy_module._global_float32_islands is None
+    assert global_policy_module._settings.float32_islands is None
     assert keras.layers.Softmax().compute_dtype == "bfloat16"
     assert "turn the float32 islands off" in " ".join(
         keras_mp.set_global_policy.__doc__.split()

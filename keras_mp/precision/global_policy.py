@@ -14,6 +14,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from typing import Any
+from typing import NamedTuple
 
 import keras
 
@@ -23,10 +24,37 @@ from keras_mp.fp8 import recipe as recipe_module
 from keras_mp.policy import Policy
 from keras_mp.precision.rules import resolve_rules
 
+
+class _GlobalSettings(NamedTuple):
+    """What `set_global_policy` sets, replaced whole at each call."""
+
+    # A `Policy` or `DTypePolicyMap`, or None (follow `floatx()`).
+    policy: Any = None
+    # The float32 islands (a `keras_mp.PrecisionRules`) that layers created
+    # without a `dtype` follow, or None.
+    float32_islands: Any = None
+    # The FP8 recipe that `fp8.DEFAULT_RULES` give such layers, or None.
+    fp8: Any = None
+    # `set_global_policy(..., skip_nonfinite=...)`: True, False, or None (on
+    # where an FP8 recipe is in use; `models.py` resolves it at `compile`).
+    skip_nonfinite: bool | None = None
+    # The Keras session (`_keras_internals.keras_session`) in which the
+    # policy was set through Keras's own setter
+    # (`keras.config.set_dtype_policy`,
+    # `keras.mixed_precision.set_global_policy`), or None. Keras forgets
+    # such a policy at `keras.utils.clear_session()`, and keras_mp does the
+    # same, so that importing keras_mp changes nothing Keras's own code
+    # relies on. A policy of `keras_mp.set_global_policy` outlives
+    # `clear_session`, as tf.keras's global policy did: it carries keras_mp's
+    # settings (FP8 recipe, float32 islands, `skip_nonfinite`) that Keras
+    # knows nothing of.
+    session: Any = None
+
+
 # Process-global, not thread-local: a layer built in a worker thread (a data
 # pipeline, a model server) must see the policy the main thread set. Only a
 # `policy_scope` is per thread.
-_global_policy = None
+_settings = _GlobalSettings()
 _global_policy_lock = threading.Lock()
 _scopes = threading.local()
 # The value of a `policy_scope(None)`: the floatx-tracking default.
@@ -45,14 +73,12 @@ def _process_policy():
     scoped = _scoped_policy()
     if scoped is not None:
         return scoped
-    if (
-        _global_policy_session is not None
-        and _global_policy_session is not _keras_internals.keras_session()
-    ):
+    session = _settings.session
+    if session is not None and session is not _keras_internals.keras_session():
         # Set with Keras's own setter, which `clear_session` undoes in
         # Keras: so it does here.
         _set_global_policy_unchecked(None)
-    return _global_policy
+    return _settings.policy
 
 
 _keras_internals.install_global_policy_lookup(_process_policy)
@@ -77,25 +103,6 @@ def global_policy() -> Policy | keras.dtype_policies.DTypePolicyMap:
     if policy is None:
         return Policy(keras.config.floatx())
     return policy
-
-
-# The float32 islands (a `keras_mp.PrecisionRules`) that layers created
-# without a `dtype` follow, or None; and the FP8 recipe that
-# `fp8.DEFAULT_RULES` give such layers, or None. Set with the global policy.
-_global_float32_islands = None
-_global_fp8 = None
-# `set_global_policy(..., skip_nonfinite=...)`: True, False, or None (on
-# where an FP8 recipe is in use; `models.py` resolves it at `compile`).
-_global_skip_nonfinite = None
-# The Keras session (`_keras_internals.keras_session`) in which the global
-# policy was set through Keras's own setter (`keras.config.set_dtype_policy`,
-# `keras.mixed_precision.set_global_policy`), or None. Keras forgets such a
-# policy at `keras.utils.clear_session()`, and keras_mp does the same, so
-# that importing keras_mp changes nothing Keras's own code relies on. A
-# policy of `keras_mp.set_global_policy` outlives `clear_session`, as
-# tf.keras's global policy did: it carries keras_mp's settings (FP8
-# recipe, float32 islands, `skip_nonfinite`) that Keras knows nothing of.
-_global_policy_session = None
 
 
 def set_global_policy(
@@ -197,7 +204,7 @@ def set_global_policy(
 def global_skip_nonfinite():
     """The `skip_nonfinite` of the last `set_global_policy`: True, False or
     None (decided per model by `compile`)."""
-    return _global_skip_nonfinite
+    return _settings.skip_nonfinite
 
 
 def _set_from_keras(policy, keras_setter):
@@ -220,14 +227,15 @@ _keras_internals.install_global_policy_setter(_set_from_keras)
 def _set_global_policy_unchecked(
     policy, float32_islands=None, fp8=None, skip_nonfinite=None, session=None
 ):
-    global _global_policy, _global_float32_islands, _global_fp8
-    global _global_skip_nonfinite, _global_policy_session
+    global _settings
     with _global_policy_lock:
-        _global_policy = policy
-        _global_policy_session = None if policy is None else session
-        _global_float32_islands = float32_islands
-        _global_fp8 = fp8
-        _global_skip_nonfinite = skip_nonfinite
+        _settings = _GlobalSettings(
+            policy,
+            float32_islands,
+            fp8,
+            skip_nonfinite,
+            None if policy is None else session,
+        )
         # Cleared rather than set: a policy cached in this thread's Keras state
         # would outlive a later set_global_policy made from another thread.
         _keras_internals.set_keras_thread_policy(None)
@@ -294,7 +302,7 @@ def global_float32_islands():
     without a `dtype` follow, or None: this thread's `policy_scope`'s, else
     the last `set_global_policy`'s."""
     settings = getattr(_scopes, "settings", None)
-    return _global_float32_islands if settings is None else settings[0]
+    return _settings.float32_islands if settings is None else settings[0]
 
 
 def global_fp8():
@@ -302,4 +310,4 @@ def global_fp8():
     without a `dtype`, or None: this thread's `policy_scope`'s, else the
     last `set_global_policy`'s."""
     settings = getattr(_scopes, "settings", None)
-    return _global_fp8 if settings is None else settings[1]
+    return _settings.fp8 if settings is None else settings[1]
