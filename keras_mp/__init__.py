@@ -29,9 +29,9 @@ from keras_mp.policy import Policy
 from keras_mp.precision import DEFAULT_FLOAT32_ISLANDS
 from keras_mp.precision import PrecisionRules
 from keras_mp.precision import precision_rules
-from keras_mp.policy import global_policy
-from keras_mp.policy import policy_scope
-from keras_mp.policy import set_global_policy
+from keras_mp.precision.global_policy import global_policy
+from keras_mp.precision.global_policy import policy_scope
+from keras_mp.precision.global_policy import set_global_policy
 from keras_mp.recommend import PolicyRecommendation
 from keras_mp.recommend import recommend_policy
 

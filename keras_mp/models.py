@@ -35,6 +35,7 @@ from keras_mp.optimizers.loss_scale_optimizer import (
 )
 from keras_mp.optimizers.wrapper import transformed_loss
 from keras_mp.policy import Policy
+from keras_mp.precision import global_policy as global_policy_module
 
 
 def wrap_for_policy(optimizer, policy, skip_nonfinite=False):
@@ -88,10 +89,10 @@ def skips_nonfinite(model):
     the global one, or any layer's policy (a model loaded or adopted with
     FP8 layers, recipes given by `precision_rules`).
     """
-    setting = policy_module.global_skip_nonfinite()
+    setting = global_policy_module.global_skip_nonfinite()
     if setting is not None:
         return setting
-    if policy_module.global_fp8() is not None:
+    if global_policy_module.global_fp8() is not None:
         return True
     return any(
         getattr(policy_module.layer_policy(layer), "fp8", None) is not None
@@ -119,7 +120,7 @@ _warned_late_policy = weakref.WeakSet()
 
 def _warn_if_built_under_another_policy(model):
     """Warns once per model built before a global policy with a loss scale."""
-    policy = _default_of(policy_module.global_policy())
+    policy = _default_of(global_policy_module.global_policy())
     if not isinstance(policy, Policy) or policy.loss_scale is None:
         return
     if isinstance(_default_of(model.dtype_policy), Policy):

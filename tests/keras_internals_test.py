@@ -11,7 +11,7 @@ import pytest
 
 import keras_mp
 from keras_mp import _keras_internals
-from keras_mp import policy as policy_module
+from keras_mp.precision import global_policy as global_policy_module
 
 _PACKAGE = pathlib.Path(keras_mp.__file__).parent
 _INTERNALS_SOURCE = (_PACKAGE / "_keras_internals.py").read_text()
@@ -142,14 +142,16 @@ class TestGlobalPolicyLookup:
         assert lookup().name == "float32"
         keras.config.set_floatx("float64")
         assert lookup().name == "float64"
-        policy_module._set_global_policy_unchecked(
+        global_policy_module._set_global_policy_unchecked(
             keras_mp.Policy("mixed_bfloat16")
         )
         assert lookup().name == "mixed_bfloat16"
         keras.config.set_dtype_policy("float16")
         assert lookup().name == "float16"
         # keras_mp clears Keras's thread-local policy when it sets its own.
-        policy_module._set_global_policy_unchecked(keras_mp.Policy("float64"))
+        global_policy_module._set_global_policy_unchecked(
+            keras_mp.Policy("float64")
+        )
         assert lookup().name == "float64"
 
     def test_floatx_default_is_never_cached(self):

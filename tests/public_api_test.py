@@ -208,6 +208,7 @@ def _docstring_examples():
     finder = doctest.DocTestFinder(recurse=False)
     modules = {
         "keras_mp.policy",
+        "keras_mp.precision.global_policy",
         "keras_mp.loss_scale",
         "keras_mp.autocast",
         "keras_mp.precision.rules",

@@ -736,4 +736,4 @@ def test_fp8_layers_are_those_the_default_rules_give_fp8():
     ]
     assert model_probe._fp8_layers(tiny) == []
     assert model_probe._fp8_layers(bfloat16_model) == []
-    assert keras_mp.policy._global_fp8 is None
+    assert keras_mp.precision.global_policy._settings.fp8 is None

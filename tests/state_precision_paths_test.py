@@ -12,6 +12,7 @@ from keras import ops
 
 import keras_mp
 from keras_mp import policy as policy_module
+from keras_mp.precision import global_policy as global_policy_module
 from keras_mp.testing import assert_bitwise_equal
 from keras_mp.testing import to_numpy
 
@@ -365,7 +366,7 @@ def test_second_notebook_model_after_float32_gets_no_islands(set_float32):
 def test_keras_set_global_policy_turns_the_islands_off_as_documented():
     keras_mp.set_global_policy("mixed_bfloat16", float32_islands="default")
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    assert policy_module._global_float32_islands is None
+    assert global_policy_module._settings.float32_islands is None
     assert keras.layers.Softmax().compute_dtype == "bfloat16"
     assert "turn the float32 islands off" in " ".join(
         keras_mp.set_global_policy.__doc__.split()

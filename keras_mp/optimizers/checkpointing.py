@@ -141,8 +141,8 @@ class CheckpointMixin:
     """Checkpoint restore of an `OptimizerWrapper`, all of it or none.
 
     Relies on the wrapper's `variables`, `_base_optimizer()`,
-    `_wrapper_variables()` and `_matching_state_precision` (from
-    `StatePrecisionMixin`).
+    `_wrapper_variables()`, `_matching_state_precision` and
+    `_matching_inner_state` (from `state_conversion.py`).
     """
 
     def save_own_variables(self, store):

@@ -5,11 +5,11 @@ the finite check and the skip decision, the loss scale's update, and the
 Keras 3 / tf.keras constructor arguments, and the skip without a loss
 scale (`skip_nonfinite`). Composes `accumulation.py` (windows),
 `overflow.py` (counters, reports), `consecutive_skips.py` (the stop after
-skipped steps in a row) and `host_skip.py` (PyTorch's default step,
-decided on the host); `legacy_arguments.py` reads Keras 3's
-and tf.keras's arguments. Imports those,
-`wrapper.py`, `keras_mp.loss_scale`, `keras_mp.backend` and
-`keras_mp.fp8.stats` (FP8 statistics stored free of the loss scale); never
+skipped steps in a row), `host_skip.py` (PyTorch's default step, decided
+on the host) and `fp8_carriers.py` (FP8 carriers free of the loss scale,
+and the next step's loss scale written into delayed ones);
+`legacy_arguments.py` reads Keras 3's and tf.keras's arguments. Imports
+those, `wrapper.py`, `keras_mp.loss_scale` and `keras_mp.backend`; never
 `models.py`, `callbacks.py` or `recommend`.
 """
 
@@ -30,13 +30,12 @@ from keras_mp import _config
 from keras_mp import loss_scale as loss_scale_module
 from keras_mp.backend import collectives
 from keras_mp.backend import gradients as backend_gradients
-from keras_mp.fp8 import delayed as fp8_delayed
-from keras_mp.fp8 import stats as fp8_stats
 from keras_mp.optimizers import consecutive_skips
 from keras_mp.optimizers import legacy_arguments
 from keras_mp.optimizers import overflow
 from keras_mp.optimizers.accumulation import AccumulationMixin
 from keras_mp.optimizers.consecutive_skips import ConsecutiveSkipsMixin
+from keras_mp.optimizers.fp8_carriers import FP8CarriersMixin
 from keras_mp.optimizers.host_skip import HostSkipMixin
 from keras_mp.optimizers.overflow import OverflowTrackingMixin
 from keras_mp.optimizers.wrapper import GradsAndVars
@@ -59,6 +58,7 @@ class LossScaleOptimizer(
     OverflowTrackingMixin,
     ConsecutiveSkipsMixin,
     HostSkipMixin,
+    FP8CarriersMixin,
     keras.optimizers.LossScaleOptimizer,
 ):
     """An optimizer wrapper that scales the loss so float16 gradients survive.
@@ -425,11 +425,7 @@ class LossScaleOptimizer(
         skip_gradients_aggregation: bool = False,
     ) -> Any:
         grads_and_vars = [(g, v) for g, v in grads_and_vars]
-        # `get_unscaled_gradients` divided every gradient, the FP8
-        # statistics carriers' too (it is given no variables).
-        self._stats_divided = (
-            self._step_record.gradients_unscaled and not self._scales_by_one()
-        )
+        self._record_carriers_divided()
         self._unscale_in_step = self._gradients_need_unscaling()
         return super().apply_gradients(
             grads_and_vars,
@@ -487,27 +483,8 @@ class LossScaleOptimizer(
         self._write_loss_scale_into_carriers(grads_and_vars)
         self._check_skips_after_step()
 
-    def _write_loss_scale_into_carriers(self, grads_and_vars):
-        # The backward of a delayed FP8 layer multiplies its history's
-        # output-gradient scale by the loss scale of its step, which it
-        # reads from its carrier (on JAX the backward is traced with the
-        # forward, before `scale_loss`): the scale after this step's
-        # update, written whether the step was applied or skipped.
-        carriers = [v for _, v in grads_and_vars if fp8_delayed.is_carrier(v)]
-        if not carriers:
-            return
-        loss_scale = self._loss_scale()
-        for carrier in carriers:
-            fp8_delayed.write_loss_scale(carrier, loss_scale)
-
     def _run_loss_scaled_step(self, grads_and_vars):
-        if self._unscale_in_step or self._stats_divided:
-            # FP8 statistics carriers hold the output gradient's amax free
-            # of the loss scale (Keras's own LossScaleOptimizer leaves it
-            # loss-scaled).
-            grads_and_vars = fp8_stats.loss_scale_free(
-                grads_and_vars, self._loss_scale(), self._stats_divided
-            )
+        grads_and_vars = self._carriers_free_of_loss_scale(grads_and_vars)
         if not self._loss_scale.is_dynamic and not self.skip_nonfinite:
             # A fixed scale never skips (RFC 293), unless asked to.
             super().run_step(grads_and_vars)

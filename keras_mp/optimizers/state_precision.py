@@ -1,10 +1,12 @@
 """Optimizer-state precision: `state_dtype`, stochastic rounding, masters.
 
-`StatePrecisionMixin`, a base of `OptimizerWrapper`: 16-bit slots of the
-innermost Keras optimizer (created, updated in float32 and stored rounded,
-to nearest or stochastically), float32 master copies of 16-bit weights, and
-the matching of their checkpoint values. Imports `keras_mp.backend`,
-`keras_mp._random_bits`, `keras_mp._keras_internals` and
+`StatePrecisionMixin`, a base of `OptimizerWrapper`: 16-bit and float8
+slots of the innermost Keras optimizer (created, updated in float32 and
+stored rounded, to nearest or stochastically). It composes
+`master_weights.py` (float32 master copies of 16-bit weights) and
+`state_conversion.py` (checkpoints saved with other settings). Imports
+those, `keras_mp.backend`, `keras_mp._random_bits`,
+`keras_mp._keras_internals`, `optimizers/float8_state.py` and
 `optimizers/overwrite_with_gradient.py`; never `optimizers/wrapper.py` or a
 module above it.
 """
@@ -18,17 +20,18 @@ from keras import ops
 
 from keras_mp import _keras_internals
 from keras_mp import _random_bits
-from keras_mp.backend import gradients as backend_gradients
 from keras_mp.backend import optimizer_state
 from keras_mp.backend.torch import fused_state_update
 from keras_mp.optimizers import float8_state
+from keras_mp.optimizers.master_weights import HALF_DTYPES
+from keras_mp.optimizers.master_weights import MasterWeightsMixin
 from keras_mp.optimizers.overwrite_with_gradient import overwrites_with_gradient
+from keras_mp.optimizers.state_conversion import StateConversionMixin
 
 # The dtypes `state_dtype` takes. float16 state only suits slots that stay
 # within its range (it flushes Adam's squared gradients below 6e-8 to zero,
 # and says so at build); bfloat16 has float32's range.
 _STATE_DTYPES = ("bfloat16", "float16", "float32", "float8")
-_HALF_DTYPES = ("bfloat16", "float16")
 # Keras's optimizers whose slots accumulate squared gradients, which float16
 # flushes to zero (`_build_state_precision` warns).
 _SQUARED_GRADIENT_OPTIMIZERS = (
@@ -42,27 +45,16 @@ _SQUARED_GRADIENT_OPTIMIZERS = (
 )
 
 
-class StatePrecisionMixin:
+class StatePrecisionMixin(MasterWeightsMixin, StateConversionMixin):
     """State dtype, stochastic rounding and master weights of a wrapper.
 
     Set up by `_init_state_precision` (from the wrapper's constructor) and
     `_build_state_precision` (from `build`, before the inner optimizer is
     built); `apply_updates` maps gradients onto the masters with
-    `_to_master_weights` and writes them back after the update.
+    `_to_master_weights` and writes them back after the update
+    (`MasterWeightsMixin`); `checkpointing.py` matches checkpoint values
+    with `StateConversionMixin`'s methods.
     """
-
-    def exclude_from_weight_decay(self, var_list=None, var_names=None):
-        """Excludes variables from the inner optimizer's weight decay."""
-        if self._master_weights:
-            # The inner optimizer updates the masters, created at build:
-            # the request is passed on for them then.
-            self.__dict__["_weight_decay_exclusions"] = (
-                list(var_list or []),
-                var_names,
-            )
-        self._inner_optimizer.exclude_from_weight_decay(
-            var_list=var_list, var_names=var_names
-        )
 
     def _init_state_precision(
         self, state_dtype, stochastic_rounding, master_weights
@@ -108,7 +100,7 @@ class StatePrecisionMixin:
             state_dtype,
             lambda reference, name, slot: slot_ids.add(id(slot)),
         )
-        if state_dtype not in _HALF_DTYPES:
+        if state_dtype not in HALF_DTYPES:
             # float32 slots store the float32 result as it is. Torch's bulk
             # updates could not store into slots of another dtype than the
             # variable's.
@@ -267,193 +259,7 @@ class StatePrecisionMixin:
                 seed=self._stochastic_rounding_seed, name="stochastic_rounding"
             )
             self._state_precision_variables.append(self._seed_generator.state)
-        if not self._master_weights:
-            return var_list
-        inner_var_list = []
-        with keras.name_scope(self.name, caller=self):
-            for variable in var_list:
-                dtype = keras.backend.standardize_dtype(
-                    _keras_internals.stored_dtype(variable)
-                )
-                if dtype not in _HALF_DTYPES or overwrites_with_gradient(
-                    variable
-                ):
-                    inner_var_list.append(variable)
-                    continue
-                # Laid out as its variable under `keras.distribution`, as
-                # the slots built on it then are: a sharded kernel's master
-                # is sharded too, not a whole copy on every device.
-                master = keras.Variable(
-                    "zeros",
-                    shape=variable.shape,
-                    dtype="float32",
-                    trainable=False,
-                    name=f"{variable.path.replace('/', '_')}_master",
-                    layout=_keras_internals.variable_layout(variable),
-                )
-                self._master_variables[id(variable)] = master
-                self._state_precision_variables.append(master)
-                inner_var_list.append(master)
-        if not self._master_variables:
-            warnings.warn(
-                f"master_weights=True on optimizer {self.name!r} has no "
-                "effect: none of its trainable variables is bfloat16 or "
-                "float16 (mixed policies already keep float32 variables, "
-                "which are their own master copy). Received variables of "
-                f"dtypes {sorted({str(v.dtype) for v in var_list})}. Drop "
-                "master_weights, or build the model under a 16-bit policy "
-                'such as keras_mp.Policy("bfloat16").',
-                stacklevel=4,
-            )
-        if self._weight_decay_exclusions is not None:
-            excluded, names = self._weight_decay_exclusions
-            self._inner_optimizer.exclude_from_weight_decay(
-                var_list=[
-                    self._master_variables.get(id(v), v) for v in excluded
-                ],
-                var_names=names,
-            )
-        return inner_var_list
-
-    def _matching_state_precision(self, variables, values):
-        """The wrapper variables and checkpoint values to assign, when the
-        checkpoint was written with other state precision settings.
-
-        The seed state of stochastic rounding and the masters come last.
-        A checkpoint without them (saved without stochastic rounding or
-        master weights) leaves them as they are: the masters start again
-        from the variables at the next step. A checkpoint with them, loaded
-        where they do not exist, has its trailing values dropped. Both warn.
-        """
-        extra = len(self._state_precision_variables)
-        if len(values) == len(variables) or not (
-            extra or _saved_state_precision(values[len(variables) :])
-        ):
-            return variables, values
-        if extra and len(values) == len(variables) - extra:
-            warnings.warn(
-                f"The checkpoint loaded into optimizer {self.name!r} holds no "
-                "stochastic rounding seed or master weights: they keep their "
-                "current values (masters follow the variables at the next "
-                "step).",
-                stacklevel=5,
-            )
-            return variables[: len(values)], values
-        if not extra and len(values) > len(variables):
-            warnings.warn(
-                f"Dropped {len(values) - len(variables)} value(s) of the "
-                f"checkpoint loaded into optimizer {self.name!r}: the "
-                "stochastic rounding seed and master weights of an optimizer "
-                "saved with state_dtype/master_weights, which this one does "
-                "not use.",
-                stacklevel=5,
-            )
-            return variables, values[: len(variables)]
-        return variables, values
-
-    def _matching_inner_state(self, variables, values):
-        """The inner optimizer's checkpoint `values` for its `variables`,
-        converted where one side has float8 state and the other not.
-
-        float8 state saves two values per slot (uint8 codes, then float32
-        block scales) where other state saves one: a float32, bfloat16 or
-        float16 slot is quantized (to nearest) into codes and scales, codes
-        and scales are decoded into a float32 value (which
-        `checkpointing.py` then converts to a 16-bit slot's dtype). Warns,
-        naming the conversion. Values that fit neither layout are returned
-        as they are (the caller reports the mismatch).
-        """
-        values = [np.asarray(v) for v in values]
-        slots = self._float8_slots
-        if slots is not None:
-            scales = {
-                id(entry[0])
-                for entry in map(slots.scales_of, variables)
-                if entry is not None
-            }
-            if not scales or len(values) != len(variables) - len(scales):
-                return values
-            converted, remaining = [], iter(values)
-            for variable in variables:
-                if id(variable) in scales:
-                    continue
-                value = next(remaining)
-                entry = slots.scales_of(variable)
-                if entry is None:
-                    converted.append(value)
-                    continue
-                if not np.issubdtype(value.dtype, np.floating) and (
-                    value.dtype.name != "bfloat16"
-                ):
-                    return values
-                value = value.astype(np.float32)
-                if entry[1]:
-                    value = np.sqrt(value)
-                converted += list(float8_state.quantize_numpy(value))
-            source = sorted({str(v.dtype) for v in values if v.ndim})
-            what, conversion = len(scales), f"{'/'.join(source)} to float8"
-        else:
-            codes = sum(v.dtype == np.uint8 for v in values)
-            if not codes or len(values) != len(variables) + codes:
-                return values
-            converted, index = [], 0
-            for variable in variables:
-                value = values[index]
-                index += 1
-                if value.dtype == np.uint8:
-                    value = float8_state.dequantize_numpy(value, values[index])
-                    index += 1
-                    if float8_state.is_second_moment(variable.path):
-                        value = value * value
-                converted.append(value)
-            what, conversion = codes, "float8 to float32"
-        warnings.warn(
-            f"Converted {what} optimizer slot(s) from {conversion} while "
-            f"loading the checkpoint of optimizer {self.name!r}: it was "
-            "saved with another `state_dtype` "
-            + (
-                "(float8 codes and block scales are written from the values, "
-                "rounded to nearest)."
-                if slots is not None
-                else "(float8 codes and block scales decoded exactly)."
-            ),
-            stacklevel=5,
-        )
-        return converted
-
-    def _to_master_weights(self, grads_and_vars):
-        """The pairs the inner optimizer updates: float32 gradients of the
-        masters.
-
-        A master whose rounded value is not its variable's value starts
-        again from the variable: so the masters (created as zeros, whatever
-        trace builds them) take the variables' values at the first step, and
-        after a variable is assigned from outside (`load_weights`,
-        `set_weights`), at the next one.
-        """
-        pairs = []
-        for grad, variable in grads_and_vars:
-            master = self._master_variables.get(id(variable))
-            if master is None:
-                pairs.append((grad, variable))
-                continue
-            value = variable.value
-            kept = ops.equal(ops.cast(master.value, value.dtype), value)
-            master.assign(
-                ops.where(kept, master.value, ops.cast(value, "float32"))
-            )
-            if grad is not None:
-                grad = backend_gradients.map_gradient(
-                    lambda g: ops.cast(g, "float32"), grad
-                )
-            pairs.append((grad, master))
-        return pairs
-
-    def _write_back_master_weights(self, variables):
-        for variable in variables:
-            master = self._master_variables.get(id(variable))
-            if master is not None:
-                variable.assign(ops.cast(master.value, variable.dtype))
+        return self._build_master_weights(var_list)
 
 
 def _hook_slot_creation(base, dtype, on_slot, check=None):
@@ -585,17 +391,6 @@ def _round_stochastically(value, seed):
     truncated = ops.view(ops.bitwise_and(bits + noise, -65536), "float32")
     rounded = ops.where(ops.isnan(value), value, truncated)
     return ops.cast(rounded, "bfloat16")
-
-
-def _saved_state_precision(values):
-    """Whether trailing checkpoint values look like a seed state and masters:
-    a seed state (two integers) and/or float32 arrays."""
-    values = [np.asarray(v) for v in values]
-    return bool(values) and all(
-        (np.issubdtype(v.dtype, np.integer) and v.shape == (2,))
-        or v.dtype == np.float32
-        for v in values
-    )
 
 
 def check_state_precision_target(optimizer, state_dtype, master_weights, name):

@@ -22,14 +22,15 @@ What Keras 3 already does, so no rule is needed for it:
   island already.
 
 The package, one file per concept: `rules.py` (the rules API and what a
-rule reads of a model), `apply.py` (the hooks that apply the rules to a
-model's layers), `record.py` (the decisions saved with a model and
-restored by `load_model`). This file re-exports what the rest of keras_mp
-uses and, at its end, installs the hooks (once).
+rule reads of a model), `global_policy.py` (the global policy with the
+float32 islands and FP8 recipe in force: `set_global_policy`,
+`policy_scope`), `apply.py` (the hooks that apply the rules to a model's
+layers), `record.py` (the decisions saved with a model and restored by
+`load_model`). This file re-exports what the rest of keras_mp uses and, at
+its end, installs the hooks (once).
 """
 
 from keras_mp import _keras_internals
-from keras_mp import policy as policy_module
 from keras_mp.precision import apply
 from keras_mp.precision import record
 from keras_mp.precision.apply import given_dtype
@@ -58,9 +59,6 @@ __all__ = [
     "walk_layers",
 ]
 
-policy_module._install_islands_resolver(
-    lambda value: resolve_rules(value, "float32_islands")
-)
 apply._install_layer_init_hook()
 _keras_internals.install_functional_init_hook(apply._apply_rules)
 _keras_internals.install_call_hook("precision_rules", apply._after_call)

@@ -18,6 +18,7 @@ from keras_mp import autocast
 from keras_mp import fp8_layers
 from keras_mp import policy as policy_module
 from keras_mp.policy import Policy
+from keras_mp.precision import global_policy as global_policy_module
 from keras_mp.precision.rules import fitted_policy
 from keras_mp.precision.rules import layer_path
 from keras_mp.precision.rules import output_layers
@@ -105,8 +106,8 @@ def _install_layer_init_hook():
             # came from a dtype argument.
             _given_dtype.add(self)
             fp8_layers.check_layer(self)
-        rules = policy_module.global_float32_islands()
-        recipe = policy_module.global_fp8()
+        rules = global_policy_module.global_float32_islands()
+        recipe = global_policy_module.global_fp8()
         if explicit or (rules is None and recipe is None):
             return
         self._keras_mp_islands = rules

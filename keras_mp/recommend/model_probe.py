@@ -4,9 +4,9 @@ Builds a copy of the user's model under each policy, starts them from the
 same weights, checks their losses against float32's over a few training
 steps and times their training steps.
 
-Imports the timing engine, the report, `keras_mp.policy` and
-`keras_mp.backend`; nothing from the matmul probe or
-`keras_mp.recommend.api`.
+Imports the timing engine, the report, `keras_mp.policy`,
+`keras_mp.precision.global_policy` and `keras_mp.backend`; nothing from the
+matmul probe or `keras_mp.recommend.api`.
 """
 
 import contextlib
@@ -21,6 +21,7 @@ from keras_mp import fp8 as fp8_module
 from keras_mp import policy as policy_module
 from keras_mp.backend import devices
 from keras_mp.backend import throughput as backend_throughput
+from keras_mp.precision import global_policy as global_policy_module
 from keras_mp.recommend.report import _FP8
 from keras_mp.recommend.report import _POLICIES
 from keras_mp.recommend.report import PolicyRecommendation
@@ -164,9 +165,9 @@ def _policy_of(name):
 def _building(name):
     """The policy, and for the FP8 candidate the global recipe, that the
     layers created inside take."""
-    with policy_module.policy_scope(
+    with global_policy_module.policy_scope(
         _policy_of(name),
-        float32_islands=policy_module.global_float32_islands(),
+        float32_islands=global_policy_module.global_float32_islands(),
         fp8=fp8_module.DEFAULT_RECIPE if name == _FP8 else None,
     ):
         yield

@@ -16,8 +16,8 @@ import pytest  # noqa: E402
 
 import keras_mp  # noqa: E402
 from keras_mp import losses as losses_module  # noqa: E402
-from keras_mp import policy as policy_module  # noqa: E402
 from keras_mp.backend import devices  # noqa: E402
+from keras_mp.precision import global_policy as global_policy_module  # noqa: E402
 
 
 def pytest_report_header(config):
@@ -106,14 +106,14 @@ def reset_global_state():
     The hardware check counts as done, so that building mixed layers on a
     CPU does not warn in every test; tests of the check reset it.
     """
-    policy_module._set_global_policy_unchecked(None)
+    global_policy_module._set_global_policy_unchecked(None)
     devices._checked_policies.update(("mixed_float16", "mixed_bfloat16"))
     losses_module._warned_loss_classes.clear()
     keras.config.set_floatx("float32")
     # free_memory=False: the default gc.collect() costs 0.2-0.3 s per test.
     keras.utils.clear_session(free_memory=False)
     yield
-    policy_module._set_global_policy_unchecked(None)
+    global_policy_module._set_global_policy_unchecked(None)
     keras.config.set_floatx("float32")
 
 
