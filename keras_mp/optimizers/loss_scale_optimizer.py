@@ -28,10 +28,10 @@ from keras import ops
 
 from keras_mp import _config
 from keras_mp import loss_scale as loss_scale_module
+from keras_mp._fp8 import delayed as fp8_delayed
+from keras_mp._fp8 import stats as fp8_stats
 from keras_mp.backend import collectives
 from keras_mp.backend import gradients as backend_gradients
-from keras_mp.fp8 import delayed as fp8_delayed
-from keras_mp.fp8 import stats as fp8_stats
 from keras_mp.optimizers import consecutive_skips
 from keras_mp.optimizers import legacy_arguments
 from keras_mp.optimizers import overflow
