@@ -11,8 +11,6 @@ of Keras 3.
 from keras_mp import _supported_backends  # noqa: F401, I001
 from keras_mp import callbacks
 from keras_mp import fp8
-from keras_mp import fp8_adopt
-from keras_mp import fp8_freeze
 from keras_mp import losses
 from keras_mp import models
 from keras_mp import optimizers
@@ -34,14 +32,6 @@ from keras_mp.precision.global_policy import policy_scope
 from keras_mp.precision.global_policy import set_global_policy
 from keras_mp.recommend import PolicyRecommendation
 from keras_mp.recommend import recommend_policy
-
-# `keras_mp.fp8.adopt` (Keras's float8 layers taken over) and `freeze` (an
-# inference model) work on Keras layers (`fp8_adopt.py`, `fp8_freeze.py`,
-# floor 4), which `keras_mp.fp8` (floor 3) must not import: the face puts
-# them in place.
-fp8.adopt = fp8_adopt.adopt
-fp8.freeze = fp8_freeze.freeze
-fp8.__all__ = sorted([*fp8.__all__, "adopt", "freeze"])
 
 # The one source of the version: pyproject reads this literal
 # ([tool.setuptools.dynamic]); keras_mp/CHANGELOG.md names it.

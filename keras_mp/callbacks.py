@@ -7,8 +7,8 @@ import numbers
 import keras
 from keras import ops
 
+from keras_mp._fp8.report import report as fp8_report
 from keras_mp.backend import training_state
-from keras_mp.fp8.report import report as fp8_report
 from keras_mp.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras_mp.optimizers.overflow import overflow_records
 from keras_mp.optimizers.wrapper import OptimizerWrapper

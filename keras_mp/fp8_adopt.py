@@ -15,10 +15,10 @@ import numpy as np
 
 from keras_mp import _keras_internals
 from keras_mp import fp8_layers
-from keras_mp.fp8 import delayed as delayed_module
-from keras_mp.fp8 import recipe as recipe_module
-from keras_mp.fp8 import rules as rules_module
-from keras_mp.fp8 import stats as stats_module
+from keras_mp._fp8 import delayed as delayed_module
+from keras_mp._fp8 import recipe as recipe_module
+from keras_mp._fp8 import rules as rules_module
+from keras_mp._fp8 import stats as stats_module
 from keras_mp.policy import Policy
 
 _FIX = (

@@ -12,15 +12,15 @@ as such.
 import keras
 import numpy as np
 
+from keras_mp import _fp8 as fp8
 from keras_mp import _keras_internals
-from keras_mp import fp8
 from keras_mp import fp8_layers
 from keras_mp import policy as policy_module
-from keras_mp.fp8 import delayed as delayed_module
-from keras_mp.fp8 import quantizers
-from keras_mp.fp8 import stats as stats_module
-from keras_mp.fp8.einsum import kernel_matrix
-from keras_mp.fp8.formats.e4m3_e5m2 import scale_from_amax
+from keras_mp._fp8 import delayed as delayed_module
+from keras_mp._fp8 import quantizers
+from keras_mp._fp8 import stats as stats_module
+from keras_mp._fp8.einsum import kernel_matrix
+from keras_mp._fp8.formats.e4m3_e5m2 import scale_from_amax
 from keras_mp.policy import Policy
 
 

@@ -10,7 +10,7 @@ import keras
 from keras_mp import _keras_internals
 from keras_mp import loss_scale as loss_scale_module
 from keras_mp import policy_names
-from keras_mp.fp8 import recipe as recipe_module
+from keras_mp._fp8 import recipe as recipe_module
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")

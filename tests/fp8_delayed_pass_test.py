@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from keras_mp import fp8
-from keras_mp.fp8 import delayed
+from keras_mp._fp8 import delayed
 
 pytestmark = pytest.mark.backends("jax")
 

@@ -12,7 +12,7 @@ import pytest
 import keras_mp
 from keras_mp import fp8
 from keras_mp import fp8_layers
-from keras_mp.fp8 import delayed
+from keras_mp._fp8 import delayed
 from keras_mp.testing import fp8_reference as reference
 from keras_mp.testing import to_numpy
 

@@ -552,7 +552,7 @@ def _count_kernel_quantizations(monkeypatch, kernel_shapes):
     """A list that grows by one per quantization of a tensor of one of
     `kernel_shapes`."""
     # Every quantizer's kernel operand goes through `base.operand`.
-    quantizer_base = importlib.import_module("keras_mp.fp8.quantizers.base")
+    quantizer_base = importlib.import_module("keras_mp._fp8.quantizers.base")
     counted = []
     operand = quantizer_base.operand
 

@@ -277,7 +277,7 @@ def test_torch_quantizes_each_kernel_once_per_optimizer_step(
     """Micro-steps of gradient accumulation and repeated calls share the
     kernel's FP8 codes until the optimizer updates it; training gives the
     bits of quantizing the kernel at every call."""
-    quantizer_base = importlib.import_module("keras_mp.fp8.quantizers.base")
+    quantizer_base = importlib.import_module("keras_mp._fp8.quantizers.base")
     from keras_mp.backend.torch import versions as torch_versions
 
     policy = keras_mp.Policy("float32", fp8=True)

@@ -196,7 +196,7 @@ def test_a_saved_lora_model_reloads_and_predicts_the_same(tmp_path):
 def test_a_lora_layer_with_statistics_reloads_its_carrier(tmp_path):
     # Keras saves no A and B entries: the carrier is found after the
     # entries Keras does save.
-    from keras_mp.fp8 import stats
+    from keras_mp._fp8 import stats
 
     def build():
         keras_mp.set_global_policy("mixed_bfloat16", fp8=fp8.Recipe(stats=True))

@@ -1,4 +1,4 @@
-"""`keras_mp.fp8.formats.mxfp8`: MXFP8 codes and E8M0 scales bit for bit as NumPy.
+"""`keras_mp._fp8.formats.mxfp8`: MXFP8 codes and E8M0 scales bit for bit as NumPy.
 
 The oracle (`keras_mp.testing.fp8_reference.mx_*`) finds exponents with
 `np.frexp` and float64 comparisons, divides in float64 and casts with
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from keras import ops
 
-from keras_mp.fp8.formats import mxfp8
+from keras_mp._fp8.formats import mxfp8
 from keras_mp.testing import assert_fp8_codes_equal
 from keras_mp.testing import fp8_reference as reference
 from keras_mp.testing import to_numpy

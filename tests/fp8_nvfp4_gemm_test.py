@@ -21,8 +21,8 @@ from keras import ops
 
 import keras_mp
 from keras_mp import fp8
-from keras_mp.fp8.formats import nvfp4
-from keras_mp.fp8.quantizers import nvfp4 as nvfp4_quantizer
+from keras_mp._fp8.formats import nvfp4
+from keras_mp._fp8.quantizers import nvfp4 as nvfp4_quantizer
 from keras_mp.testing import backend_einsum
 from keras_mp.testing import block_spread_operands
 from keras_mp.testing import fp8_reference as reference

@@ -1,4 +1,4 @@
-"""`keras_mp.fp8.formats.nvfp4`: codes, scales and rotations bit for bit as the
+"""`keras_mp._fp8.formats.nvfp4`: codes, scales and rotations bit for bit as the
 NumPy + `ml_dtypes` transcription of Transformer Engine's NVFP4 reference
 (`keras_mp.testing.fp8_reference.nv_*`), on every backend, eager and
 compiled.
@@ -11,7 +11,7 @@ import pytest
 from keras import ops
 
 from keras_mp import _random_bits
-from keras_mp.fp8.formats import nvfp4
+from keras_mp._fp8.formats import nvfp4
 from keras_mp.testing import fp8_reference as reference
 from keras_mp.testing import to_numpy
 

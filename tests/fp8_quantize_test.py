@@ -169,7 +169,7 @@ def test_gemm_operands_hold_the_values_of_the_codes_bit_for_bit(fmt):
     the oracle's codes, over every bfloat16 bit pattern (every sign,
     exponent and 7 leading mantissa bits: ±0, subnormals, inf, NaN),
     the test data, ties, and finite values beyond the format's range."""
-    from keras_mp.fp8.formats.e4m3_e5m2 import gemm_operand
+    from keras_mp._fp8.formats.e4m3_e5m2 import gemm_operand
 
     patterns = (np.arange(2**16, dtype=np.uint32) << 16).view(np.float32)
     data = _with_specials(_data(fmt, "float32", seed=4), fmt).ravel()
@@ -274,7 +274,7 @@ def test_a_non_float_input_raises_a_type_error():
 def test_scale_from_amax_takes_one_format_per_value():
     # Several tensors' scales in one computation (delayed scaling's
     # history, PyTorch's current scales): each that of its own format.
-    from keras_mp.fp8.formats.e4m3_e5m2 import scale_from_amax
+    from keras_mp._fp8.formats.e4m3_e5m2 import scale_from_amax
 
     amax = np.array([0.0, 3.0e-3, 448.0, 449.0, 6.0e4, np.inf], "float32")
     formats = ("e4m3", "e5m2", "e4m3", "e5m2", "e4m3", "e5m2")
@@ -296,8 +296,8 @@ def test_torchs_own_scale_from_amax_gives_the_bits_of_keras_ops(monkeypatch):
     NaN, for each format and margin, one format or one per value."""
     import torch
 
+    from keras_mp._fp8.formats.e4m3_e5m2 import scale_from_amax
     from keras_mp.backend.torch import ops as torch_ops
-    from keras_mp.fp8.formats.e4m3_e5m2 import scale_from_amax
 
     exponents = np.arange(256, dtype=np.uint32) << 23
     mantissas = np.array(

@@ -4,7 +4,7 @@ import keras
 import pytest
 
 from keras_mp import fp8
-from keras_mp.fp8 import recipe as recipe_module
+from keras_mp._fp8 import recipe as recipe_module
 
 NON_DEFAULT = {
     "scaling": "current",

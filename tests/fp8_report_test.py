@@ -14,7 +14,7 @@ from keras import ops
 import keras_mp
 import keras_mp.testing
 from keras_mp import fp8
-from keras_mp.fp8 import stats as fp8_stats
+from keras_mp._fp8 import stats as fp8_stats
 from keras_mp.testing import assert_bitwise_equal
 from keras_mp.testing import fp8_reference as reference
 from keras_mp.testing import to_numpy
@@ -697,7 +697,7 @@ import numpy as np
 
 import keras_mp
 from keras_mp import fp8
-from keras_mp.fp8 import stats
+from keras_mp._fp8 import stats
 
 rng = np.random.default_rng(0)
 x = rng.normal(size=(32, 64)).astype("float32")

@@ -1,7 +1,7 @@
 """A format plugged in from outside the package (issue 47, item 2): E4M3
 in blocks of 64 along each GEMM's contracted axis, with power-of-two
 scales, defined here alone as a `Quantizer` subclass and registered with
-`keras_mp.fp8.quantizers.register`. It trains, matches a NumPy +
+`keras_mp._fp8.quantizers.register`. It trains, matches a NumPy +
 ml_dtypes reference, reports, freezes (in its own frozen form) and
 reloads, with no other change to keras_mp."""
 
@@ -14,12 +14,12 @@ from keras import ops
 import keras_mp
 from keras_mp import fp8
 from keras_mp import fp8_layers
-from keras_mp.fp8 import quantizers
-from keras_mp.fp8.formats.e4m3_e5m2 import e4m3_bits
-from keras_mp.fp8.formats.e4m3_e5m2 import e4m3_values
-from keras_mp.fp8.formats.e4m3_e5m2 import encode
-from keras_mp.fp8.formats.e4m3_e5m2 import scale_from_amax
-from keras_mp.fp8.quantizers.base import pad_rows
+from keras_mp._fp8 import quantizers
+from keras_mp._fp8.formats.e4m3_e5m2 import e4m3_bits
+from keras_mp._fp8.formats.e4m3_e5m2 import e4m3_values
+from keras_mp._fp8.formats.e4m3_e5m2 import encode
+from keras_mp._fp8.formats.e4m3_e5m2 import scale_from_amax
+from keras_mp._fp8.quantizers.base import pad_rows
 from keras_mp.testing import fp8_reference as reference
 from keras_mp.testing import to_numpy
 

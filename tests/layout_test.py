@@ -29,7 +29,7 @@ _ALLOWED = {
         "keras_mp._keras_internals",
         "keras_mp.backend",
     ),
-    "keras_mp.fp8": (
+    "keras_mp._fp8": (
         "keras_mp._config",
         "keras_mp._keras_internals",
         "keras_mp._random_bits",
@@ -42,7 +42,7 @@ _ALLOWED = {
         "keras_mp.backend",
         "keras_mp.transforms",
         "keras_mp.loss_scale",
-        "keras_mp.fp8",
+        "keras_mp._fp8",
     ),
 }
 
@@ -154,3 +154,54 @@ def test_no_module_docstring_restates_its_imports():
         if "imports only" in " ".join(docstring.lower().split()):
             stale.append(str(path.relative_to(PACKAGE)))
     assert not stale, f"docstrings restating their imports: {stale}"
+
+
+def test_no_module_writes_into_another_at_import():
+    # `keras_mp/__init__.py` once put `adopt` and `freeze` into
+    # `keras_mp.fp8` at import, where static tools and the API reference
+    # could not see them (issue 47): a face re-exports instead.
+    writes = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        imported = set()
+        for node in tree.body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                base = getattr(node, "module", None) or ""
+                for alias in node.names:
+                    full = f"{base}.{alias.name}" if base else alias.name
+                    if full.startswith("keras_mp") or base.startswith(
+                        "keras_mp"
+                    ):
+                        imported.add(alias.asname or alias.name.split(".")[0])
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for target in targets:
+                if (
+                    isinstance(target, ast.Attribute)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id in imported
+                ):
+                    writes.append(
+                        f"{path.relative_to(PACKAGE)}:{node.lineno} "
+                        f"{target.value.id}.{target.attr}"
+                    )
+    assert not writes, f"modules written into at import: {writes}"
+
+
+def test_the_fp8_face_lists_the_same_names_statically_and_at_run_time():
+    import keras_mp
+
+    tree = ast.parse((PACKAGE / "fp8.py").read_text())
+    (static,) = [
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+    ]
+    assert static == keras_mp.fp8.__all__
+    assert {"adopt", "freeze"} <= set(static)
+    for name in static:
+        assert getattr(keras_mp.fp8, name) is not None, name

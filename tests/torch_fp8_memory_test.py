@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from keras_mp import fp8
+from keras_mp._fp8 import quantizers
 from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.backend import gradients as backend_gradients
-from keras_mp.fp8 import quantizers
 
 pytestmark = pytest.mark.backends("torch")
 

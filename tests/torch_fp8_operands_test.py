@@ -4,7 +4,7 @@ written in both layouts in one pass, bit for bit the oracle's codes.
 Each implementation (the eager copies, `torch.compile`, the Triton kernel
 under `TRITON_INTERPRET=1`) is compared with the NumPy + `ml_dtypes`
 oracle (`keras_mp.testing.fp8_reference.encode`) and with the eager
-`keras_mp.fp8.quantize.encode`, over every bfloat16 bit pattern (signs,
+`keras_mp._fp8.quantize.encode`, over every bfloat16 bit pattern (signs,
 subnormals, ±0, inf, NaN), ties and values beyond the format's range.
 """
 
@@ -71,8 +71,8 @@ def test_both_layouts_hold_the_oracles_codes_bit_for_bit(
     oracle takes their values in float32)."""
     import torch
 
+    from keras_mp._fp8.formats.e4m3_e5m2 import encode
     from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
-    from keras_mp.fp8.formats.e4m3_e5m2 import encode
 
     monkeypatch.setattr(torch_fp8_operands, "FORCED", implementation)
     x, scale = _inputs(fmt)

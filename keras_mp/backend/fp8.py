@@ -54,7 +54,7 @@ def round_to_format(x, scale, fmt, fmax):
     """The values of the FP8 codes of `x / scale`, as float32 (PyTorch).
 
     Bit for bit what casting `x / scale` to FP8 and back gives under
-    keras_mp's rule (`keras_mp.fp8.formats.e4m3_e5m2.encode`): finite values
+    keras_mp's rule (`keras_mp._fp8.formats.e4m3_e5m2.encode`): finite values
     clipped to `±fmax`, then rounded to nearest even on the format's grid
     (subnormals included); inf stays inf in E5M2 and becomes NaN in E4M3;
     NaN stays NaN; the sign of zero is kept. Written without `torch.where`

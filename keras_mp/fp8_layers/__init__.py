@@ -20,11 +20,11 @@ reloads as they were (the merged kernel, rounded to FP8, would lose a small
 update).
 
 A layer whose recipe has `stats=True` also owns a statistics carrier (see
-`keras_mp/fp8/stats.py`), the `fp8_stats` variable, passed to its GEMM; it
+`keras_mp/_fp8/stats.py`), the `fp8_stats` variable, passed to its GEMM; it
 is saved after the layer's other variables.
 
 A layer whose recipe has `scaling="delayed"` owns a carrier of the shape
-`keras_mp/fp8/delayed.py` says, and three non-trainable float32/int32
+`keras_mp/_fp8/delayed.py` says, and three non-trainable float32/int32
 variables: `fp8_amax_history` `(3, H)`, `fp8_steps` (the steps folded into
 it) and `fp8_scale` `(3,)` (the delayed scales of the last call; 0 while
 the layer has no history and runs current scaling). Each call first folds
@@ -42,8 +42,8 @@ import functools
 import keras
 
 from keras_mp import _keras_internals
+from keras_mp._fp8 import availability
 from keras_mp.backend import devices
-from keras_mp.fp8 import availability
 from keras_mp.fp8_layers import calls
 from keras_mp.fp8_layers import saving
 from keras_mp.fp8_layers.decisions import check_layer

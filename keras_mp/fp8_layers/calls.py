@@ -9,11 +9,11 @@ import functools
 import keras
 import numpy as np
 
-from keras_mp import fp8
+from keras_mp import _fp8 as fp8
+from keras_mp._fp8 import quantizers
+from keras_mp._fp8 import rules as rules_module
+from keras_mp._fp8.einsum import kernel_matrix
 from keras_mp.backend import fp8 as backend_fp8
-from keras_mp.fp8 import quantizers
-from keras_mp.fp8 import rules as rules_module
-from keras_mp.fp8.einsum import kernel_matrix
 from keras_mp.fp8_layers import lora
 from keras_mp.fp8_layers.decisions import layer_recipe
 from keras_mp.fp8_layers.state import delayed_scaling

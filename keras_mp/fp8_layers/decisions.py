@@ -8,7 +8,7 @@ import keras
 
 from keras_mp import _keras_internals
 from keras_mp import policy as policy_module
-from keras_mp.fp8 import rules as rules_module
+from keras_mp._fp8 import rules as rules_module
 from keras_mp.policy import Policy
 
 has_gemm = rules_module.has_gemm

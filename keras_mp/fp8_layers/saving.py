@@ -14,8 +14,8 @@ import keras
 import numpy as np
 
 from keras_mp import _keras_internals
-from keras_mp.fp8 import delayed as delayed_module
-from keras_mp.fp8 import stats as stats_module
+from keras_mp._fp8 import delayed as delayed_module
+from keras_mp._fp8 import stats as stats_module
 from keras_mp.fp8_layers.lora import LORA_ENTRIES
 from keras_mp.fp8_layers.lora import has_lora
 from keras_mp.fp8_layers.lora import lora_variables

@@ -9,11 +9,11 @@ state with their decided recipes.
 import keras
 
 from keras_mp import _keras_internals
+from keras_mp._fp8 import delayed as delayed_module
+from keras_mp._fp8 import quantizers
+from keras_mp._fp8 import stats as stats_module
+from keras_mp._fp8.einsum import kernel_matrix
 from keras_mp.backend.torch import ops as torch_ops
-from keras_mp.fp8 import delayed as delayed_module
-from keras_mp.fp8 import quantizers
-from keras_mp.fp8 import stats as stats_module
-from keras_mp.fp8.einsum import kernel_matrix
 from keras_mp.fp8_layers.decisions import check_layer
 from keras_mp.fp8_layers.decisions import has_gemm
 from keras_mp.fp8_layers.decisions import layer_recipe
@@ -31,7 +31,7 @@ def check_model(model):
 def sync_stats_carrier(layer):
     """Gives a built FP8 layer the state its recipe asks for, and takes
     from it any it no longer needs: the statistics carrier (see
-    `keras_mp/fp8/stats.py`) with `stats=True` or `scaling="delayed"`, and
+    `keras_mp/_fp8/stats.py`) with `stats=True` or `scaling="delayed"`, and
     the delayed-scaling state (`fp8_amax_history`, `fp8_steps`,
     `fp8_scale`) with `scaling="delayed"`.
 

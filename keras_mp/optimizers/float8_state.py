@@ -17,7 +17,7 @@ a block where `m` is representable `sqrt(v)` is too and `m / sqrt(v)`
 never meets a `v` flushed to zero. The E4M3 arithmetic is written in
 float32 and int32 `keras.ops` (the codes are computed from their values'
 bits, never cast natively: TensorFlow cannot bitcast float8;
-`keras_mp.fp8.formats.e4m3_e5m2.e4m3_bits` and `e4m3_values`, the codec
+`keras_mp._fp8.formats.e4m3_e5m2.e4m3_bits` and `e4m3_values`, the codec
 of every uint8 E4M3 variable), identical on every backend;
 `keras_mp.testing.float8_state_reference` is its NumPy oracle.
 """
@@ -28,9 +28,9 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_mp._fp8.formats import e4m3_e5m2 as fp8_codes
 from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.backend.torch import fused_float8_update
-from keras_mp.fp8.formats import e4m3_e5m2 as fp8_codes
 
 # Elements per block scale: COAT's group size. Float32 scales cost 4/128
 # of a byte per element (Adam: 2.06 bytes of state per parameter).

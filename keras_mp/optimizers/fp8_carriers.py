@@ -13,8 +13,8 @@ gradient's scale by it. Imports `keras_mp.fp8`; never
 `loss_scale_optimizer.py` or `wrapper.py`.
 """
 
-from keras_mp.fp8 import delayed as fp8_delayed
-from keras_mp.fp8 import stats as fp8_stats
+from keras_mp._fp8 import delayed as fp8_delayed
+from keras_mp._fp8 import stats as fp8_stats
 
 
 class FP8CarriersMixin:

@@ -20,7 +20,7 @@ import keras
 
 from keras_mp import _keras_internals
 from keras_mp import policy as policy_module
-from keras_mp.fp8 import recipe as recipe_module
+from keras_mp._fp8 import recipe as recipe_module
 from keras_mp.policy import Policy
 from keras_mp.precision.rules import resolve_rules
 

@@ -17,7 +17,7 @@ import warnings
 import keras
 import numpy as np
 
-from keras_mp import fp8 as fp8_module
+from keras_mp import _fp8 as fp8_module
 from keras_mp import policy as policy_module
 from keras_mp.backend import devices
 from keras_mp.backend import throughput as backend_throughput

@@ -240,7 +240,7 @@ def _unblock(tiles, axis):
 
 
 def mx_quantize(x, axis=-1, rounding="rceil", fmt="e4m3"):
-    """`(codes, scale)` as `keras_mp.fp8.formats.mxfp8.quantize` must return them:
+    """`(codes, scale)` as `keras_mp._fp8.formats.mxfp8.quantize` must return them:
     `float8_e4m3fn` (or `float8_e5m2`) codes and `uint8` E8M0 codes."""
     dtype, fmax = FORMATS[fmt]
     tiles = _blocks(np.asarray(x, np.float32).astype(np.float64), axis)
@@ -360,7 +360,7 @@ def nv_quantize(
     random_bits=None,
     order="pytorch",
 ):
-    """`(codes, (block_scale, tensor_scale))` as `keras_mp.fp8.formats.nvfp4.
+    """`(codes, (block_scale, tensor_scale))` as `keras_mp._fp8.formats.nvfp4.
     quantize` must return them: uint8 codes (one a byte), E4M3 block
     scales, the float32 scalar `S_enc`. A block whose scale is NaN has
     codes 0 (keras_mp's rule)."""
@@ -454,7 +454,7 @@ NV_ROLE_KEYS = {"input_gradient": 1, "kernel_gradient": 2}
 
 def nv_rounding_bits(t, role):
     """The stochastic rounding bits of NVFP4's backward GEMMs, keras_mp's
-    rule (`keras_mp/fp8/quantizers/nvfp4.py::rounding_bits`) in uint32:
+    rule (`keras_mp/_fp8/quantizers/nvfp4.py::rounding_bits`) in uint32:
     `v` the bits of float32 `t` (subnormals as signed zero), `key =
     hash(sum(hash(v)) + c)` with the sum modulo 2**32, and
     `hash(v[i] ^ hash(i + key))` for element `i` in row-major order."""

@@ -5,8 +5,8 @@ converts and checks every argument: a `where` 9.6 µs against torch's own
 4.4 µs on this CPU), and delayed scaling's history, carrier and
 statistics rows are about a hundred such calls a layer and step, on
 tensors of a few hundred values. These are the same operations in torch
-itself, bit for bit those of `keras_mp/fp8/delayed.py` and
-`keras_mp/fp8/stats.py`, which call them where `torch/ops.py`'s
+itself, bit for bit those of `keras_mp/_fp8/delayed.py` and
+`keras_mp/_fp8/stats.py`, which call them where `torch/ops.py`'s
 `has_bit_ops` says so (tests compare the two ways). Python numbers
 stay numbers (a scalar argument of a kernel, no tensor from the host).
 Imports nothing from keras_mp, and torch only inside its functions: the
@@ -37,7 +37,7 @@ def one_hot(index, depth):
 
 
 def amax_bin(amax, mantissa_above):
-    """`keras_mp.fp8.stats.amax_bin`: twice the biased exponent of the
+    """`keras_mp._fp8.stats.amax_bin`: twice the biased exponent of the
     non-negative float32 `amax` (keras_mp's amaxes are float32), plus one
     where its mantissa bits exceed `mantissa_above` (int32)."""
     import torch
@@ -50,7 +50,7 @@ def amax_bin(amax, mantissa_above):
 @functools.cache
 def _bin_tables(bins, finite_bins, device):
     """`(values, writable)`, each indexed by a bin plus one (0 standing
-    for no bin, -1): the float32 amax `keras_mp.fp8.delayed.bin_value`
+    for no bin, -1): the float32 amax `keras_mp._fp8.delayed.bin_value`
     gives a bin (0 for no bin), and whether a fold writes it (a finite
     bin). Made once per device, from the same bits."""
     import torch
@@ -76,7 +76,7 @@ def _bin_positions(bins, device):
 def fold_and_scaling(
     history, folds, carrier, parity_column, loss_scale_column, bins, finite_bins
 ):
-    """`keras_mp.fp8.delayed.fold`, then `keras_mp.fp8.delayed.scaling`'s
+    """`keras_mp._fp8.delayed.fold`, then `keras_mp._fp8.delayed.scaling`'s
     parity and loss scale, from one read of the carrier: `(history, folds,
     parity, loss_scale)`. The highest bin of each row, plus one (0 where
     none is present), looks up its amax and whether it is finite in
@@ -107,7 +107,7 @@ def fold_and_scaling(
 
 
 def parity(folds):
-    """`keras_mp.fp8.delayed.scaling`'s parity: the float32 one-hot of
+    """`keras_mp._fp8.delayed.scaling`'s parity: the float32 one-hot of
     `folds % 2`."""
     import torch
 
@@ -115,7 +115,7 @@ def parity(folds):
 
 
 def carrier_loss_scale(carrier, column):
-    """`keras_mp.fp8.delayed.carrier_loss_scale`, read from the carrier
+    """`keras_mp._fp8.delayed.carrier_loss_scale`, read from the carrier
     detached (see `fold`)."""
     import torch
 
@@ -124,7 +124,7 @@ def carrier_loss_scale(carrier, column):
 
 
 def pack(scales, first, parity, loss_scale):
-    """`keras_mp.fp8.delayed.pack` of a `Scaling`'s fields."""
+    """`keras_mp._fp8.delayed.pack` of a `Scaling`'s fields."""
     import torch
 
     return torch.cat(
@@ -138,7 +138,7 @@ def pack(scales, first, parity, loss_scale):
 
 
 def carrier_gradient(statistics, parity):
-    """`keras_mp.fp8.delayed.carrier_gradient`."""
+    """`keras_mp._fp8.delayed.carrier_gradient`."""
     import torch
 
     zero = torch.zeros(1, dtype=torch.float32, device=parity.device)
@@ -148,7 +148,7 @@ def carrier_gradient(statistics, parity):
 
 
 def select(first, currents, scales, loss_scale, indices):
-    """`keras_mp.fp8.delayed.select`: the float32 current scales
+    """`keras_mp._fp8.delayed.select`: the float32 current scales
     `currents` of tensors `indices` where `first`, else their delayed
     `scales`, the output gradient's (2) times `loss_scale`; sliced where
     `indices` are a forward's (0, 1) or a backward's (2,); the delayed
@@ -184,7 +184,7 @@ def carrier_gradient_of_amaxes(
     amaxes, sizes, parity, bins, mantissa_above, width, parity_column
 ):
     """`carrier_gradient` of the three statistics rows without counts
-    (`keras_mp.fp8.stats.tensor_row(..., counts=False)`: each amax's
+    (`keras_mp._fp8.stats.tensor_row(..., counts=False)`: each amax's
     one-hot bin, its tensor's size, two zeros) of `amaxes`, whose sizes
     are the Python floats `sizes`: a copy of a row template
     (`_gradient_base`), each amax's bin set to 1 (every bin is below
@@ -200,7 +200,7 @@ def carrier_gradient_of_amaxes(
 
 
 def with_loss_scale(carrier, loss_scale, column):
-    """`keras_mp.fp8.delayed.with_loss_scale`: the carrier's columns
+    """`keras_mp._fp8.delayed.with_loss_scale`: the carrier's columns
     before `column`, then the float32 `loss_scale` in every row."""
     import torch
 

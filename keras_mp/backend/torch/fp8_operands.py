@@ -26,7 +26,7 @@ once more:
 
 An implementation that raises warns once and hands over to the next.
 
-All three give the codes of `keras_mp.fp8.formats.e4m3_e5m2.encode(x / scale)`
+All three give the codes of `keras_mp._fp8.formats.e4m3_e5m2.encode(x / scale)`
 bit for bit: dividing by a power of two, or multiplying by its exact
 reciprocal, is one correctly rounded operation on the same real number;
 finite values beyond `±fmax` are clipped; inf stays inf in E5M2 and

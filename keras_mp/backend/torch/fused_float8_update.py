@@ -40,7 +40,7 @@ class FusedFloat8Update:
     values of E4M3, as `index_select` with int32 indices).
 
     Args:
-        scale_from_amax: `keras_mp.fp8.formats.e4m3_e5m2.scale_from_amax`.
+        scale_from_amax: `keras_mp._fp8.formats.e4m3_e5m2.scale_from_amax`.
         values: The float32 values of the 256 codes (a NumPy array), those
             `e4m3_e5m2.e4m3_values` looks up.
     """

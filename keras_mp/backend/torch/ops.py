@@ -96,13 +96,13 @@ def cast(x, dtype):
     return x if x.dtype == target else x.to(target)
 
 
-# Whether `keras_mp.fp8.formats.e4m3_e5m2.scale_from_amax` uses `scale_from_amax`
+# Whether `keras_mp._fp8.formats.e4m3_e5m2.scale_from_amax` uses `scale_from_amax`
 # below on PyTorch (tests compare the two ways).
 BIT_OPS = True
 
 
 def has_bit_ops(amax):
-    """Whether `keras_mp.fp8.formats.e4m3_e5m2.scale_from_amax` of `amax` runs as
+    """Whether `keras_mp._fp8.formats.e4m3_e5m2.scale_from_amax` of `amax` runs as
     `scale_from_amax` here: a torch tensor on the torch backend, not while
     `torch.compile` traces (the compiled graph is the same either way)."""
     if not BIT_OPS or keras.backend.backend() != "torch":
@@ -126,7 +126,7 @@ def variable_tensor(variable):
 
 
 def scale_from_amax(amax, exponent, carry, low, high):
-    """`keras_mp.fp8.formats.e4m3_e5m2.scale_from_amax` in torch operations, bit for
+    """`keras_mp._fp8.formats.e4m3_e5m2.scale_from_amax` in torch operations, bit for
     bit: the power of two whose biased exponent is `amax`'s, less
     `exponent`, plus one where `amax`'s mantissa bits exceed `0x7FFFFF -
     carry`, clipped to `[low, high]`; 1 where `amax` is 0, `amax` where it

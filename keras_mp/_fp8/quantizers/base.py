@@ -6,7 +6,7 @@ one `dot` call, by role: the forward product (`forward`), the input
 gradient (`input_gradient`) and the kernel gradient (`kernel_gradient`),
 each quantizing its two operands along that GEMM's contracted axis in the
 layouts the GEMM takes them in. `dot` holds no granularity of its own:
-it asks `keras_mp.fp8.quantizers.get(recipe)` for the quantizer and calls
+it asks `keras_mp._fp8.quantizers.get(recipe)` for the quantizer and calls
 the three roles. What one call's roles share (formats, statistics rows,
 result dtypes, delayed scales, saved operands) is a `Call`. A quantizer
 also owns what a frozen layer stores in place of its float kernel
@@ -16,7 +16,7 @@ also owns what a frozen layer stores in place of its float kernel
 A new format plugs in as one file beside `tensorwise.py`, `rowwise.py` and
 `block.py`: a `Quantizer` subclass, mapped from its recipes in
 `__init__.py`'s `get`; or, defined outside keras_mp, registered with
-`keras_mp.fp8.quantizers.register`, its `name` the granularity a `Recipe`
+`keras_mp._fp8.quantizers.register`, its `name` the granularity a `Recipe`
 names it by.
 """
 
@@ -25,9 +25,9 @@ import collections
 
 from keras import ops
 
+from keras_mp._fp8 import stats as stats_module
+from keras_mp._fp8.formats.e4m3_e5m2 import quantize_reduced
 from keras_mp.backend.torch import versions as torch_versions
-from keras_mp.fp8 import stats as stats_module
-from keras_mp.fp8.formats.e4m3_e5m2 import quantize_reduced
 
 # The layouts of a 2-D operand (`e4m3_e5m2.gemm_operands`): row-major, for the
 # GEMM that takes it as its A (or its transpose as B), and column-major,
@@ -66,7 +66,7 @@ class Call:
         rows: A `Rows` to fill with statistics, or None.
         dtypes: The `Dtypes` of the three results.
         scaling: Delayed scaling's state for this call
-            (`keras_mp.fp8.delayed.Scaling`), or None.
+            (`keras_mp._fp8.delayed.Scaling`), or None.
         saved: What `forward` keeps for the gradients, by name.
         source_x: The layer's input as `[M, K]` in its own dtype (e.g.
             bfloat16), which `dot` keeps for gradients that quantize from

@@ -13,8 +13,8 @@ bfloat16.
 
 from __future__ import annotations
 
+from keras_mp._fp8 import recipe as recipe_module
 from keras_mp.backend import devices
-from keras_mp.fp8 import recipe as recipe_module
 
 # The formats whose block scales the tensor cores take, by their names in
 # messages.

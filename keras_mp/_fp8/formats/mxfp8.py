@@ -20,9 +20,9 @@ are therefore exact on every backend.
 import numpy as np
 from keras import ops
 
-from keras_mp.fp8.formats.e4m3_e5m2 import check_float
-from keras_mp.fp8.formats.e4m3_e5m2 import encode
-from keras_mp.fp8.recipe import check_choice
+from keras_mp._fp8.formats.e4m3_e5m2 import check_float
+from keras_mp._fp8.formats.e4m3_e5m2 import encode
+from keras_mp._fp8.recipe import check_choice
 
 BLOCK = 32
 SCALE_ROUNDINGS = ("rceil", "floor")
@@ -107,7 +107,7 @@ def e8m0_from_amax(amax, rounding="rceil", fmt="e4m3"):
 
     Example:
 
-    >>> codes = keras_mp.fp8.formats.mxfp8.e8m0_from_amax(np.float32([448, 449, 0]))
+    >>> codes = keras_mp._fp8.formats.mxfp8.e8m0_from_amax(np.float32([448, 449, 0]))
     >>> keras.ops.convert_to_numpy(codes).tolist()
     [127, 128, 0]
     """
@@ -144,7 +144,7 @@ def scale_values(scale):
 
     Example:
 
-    >>> values = keras_mp.fp8.formats.mxfp8.scale_values(np.uint8([127, 130, 120]))
+    >>> values = keras_mp._fp8.formats.mxfp8.scale_values(np.uint8([127, 130, 120]))
     >>> keras.ops.convert_to_numpy(values).tolist()
     [1.0, 8.0, 0.0078125]
     """
@@ -205,7 +205,7 @@ def quantize(x, axis=-1, scale_rounding="rceil", fmt="e4m3"):
     Example:
 
     >>> x = np.linspace(-2.0, 3.0, 32, dtype="float32")[None]
-    >>> codes, scale = keras_mp.fp8.formats.mxfp8.quantize(x)
+    >>> codes, scale = keras_mp._fp8.formats.mxfp8.quantize(x)
     >>> keras.ops.convert_to_numpy(scale).tolist()
     [[120]]
     >>> float(keras.ops.cast(codes, "float32")[0, -1])
@@ -271,8 +271,8 @@ def dequantize(codes, scale, axis=-1):
 
     Example:
 
-    >>> codes, scale = keras_mp.fp8.formats.mxfp8.quantize(np.full((1, 32), 3.0))
-    >>> values = keras_mp.fp8.formats.mxfp8.dequantize(codes, scale)
+    >>> codes, scale = keras_mp._fp8.formats.mxfp8.quantize(np.full((1, 32), 3.0))
+    >>> values = keras_mp._fp8.formats.mxfp8.dequantize(codes, scale)
     >>> float(values[0, 0])
     3.0
     """

@@ -14,7 +14,7 @@ from keras_mp import _config
 
 SCALINGS = ("current", "delayed", "static")
 GRANULARITIES = ("tensorwise", "rowwise", "block")
-# Granularities a format plugs in (`keras_mp.fp8.quantizers.register`):
+# Granularities a format plugs in (`keras_mp._fp8.quantizers.register`):
 # the name of a quantizer that runs a recipe's GEMMs, with current scaling
 # (or static: a layer `keras_mp.fp8.freeze` froze with that quantizer's
 # own frozen form).
@@ -31,7 +31,7 @@ SCALE_ROUNDINGS = ("rceil", "floor")
 # NVFP4's blocks and scales are its own too: E2M1 values in blocks of 16
 # along each GEMM's contracted axis (the kernel in 16x16 tiles), each block
 # with an E4M3 scale, and a float32 scale per tensor
-# (`keras_mp/fp8/formats/nvfp4.py`).
+# (`keras_mp/_fp8/formats/nvfp4.py`).
 NV_FORMATS = {"nvfp4": "nvfp4"}
 AMAX_ALGOS = ("max", "most_recent")
 
@@ -279,7 +279,7 @@ class Recipe:
             it from a history of earlier steps' amaxes, kept in
             non-trainable variables of the layer (Transformer Engine's
             recipe; tensorwise only; the first step runs current scaling;
-            see `keras_mp/fp8/delayed.py`). `"static"` is what
+            see `keras_mp/_fp8/delayed.py`). `"static"` is what
             `keras_mp.fp8.freeze` gives a layer for inference: a fixed
             input scale and the kernel stored as FP8 codes and its scale
             (tensorwise; with `formats="mxfp8"`, the kernel's codes and
@@ -297,7 +297,7 @@ class Recipe:
             axis (given by `formats="mxfp8"`). `"nvfp4"`: NVFP4's own, 16
             values along each GEMM's contracted axis and 16x16 kernel
             tiles (given by `formats="nvfp4"`). Or the name of a
-            quantizer plugged in by `keras_mp.fp8.quantizers.register`
+            quantizer plugged in by `keras_mp._fp8.quantizers.register`
             (current scaling), which then runs the GEMMs. Defaults to
             `None`: the format's own for `"mxfp8"` and `"nvfp4"`,
             `"tensorwise"` otherwise.
@@ -315,7 +315,7 @@ class Recipe:
             scale; inputs and output gradients in 1x16
             blocks along each GEMM's contracted axis, the kernel in 16x16
             tiles that serve both of its GEMMs; current scaling, no
-            margin; see `keras_mp/fp8/quantizers/nvfp4.py`).
+            margin; see `keras_mp/_fp8/quantizers/nvfp4.py`).
             Defaults to `"hybrid"`.
         margin: The scale leaves `2**margin` of headroom below the format's
             largest value. Defaults to `0`.

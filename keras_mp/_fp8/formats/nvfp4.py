@@ -32,8 +32,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_mp._fp8.formats.e4m3_e5m2 import check_float
 from keras_mp.backend import fp8 as backend_fp8
-from keras_mp.fp8.formats.e4m3_e5m2 import check_float
 
 BLOCK_SIZE = 16
 E2M1_MAX = 6.0
@@ -212,7 +212,7 @@ def quantize(x, axis=-1, block_shape=None, tensor_amax=None, random_bits=None):
 
     Example:
 
-    >>> from keras_mp.fp8.formats import nvfp4
+    >>> from keras_mp._fp8.formats import nvfp4
     >>> x = np.array([[0.5, -3.0, 6.0, 1.25] * 4])
     >>> codes, (block, tensor) = nvfp4.quantize(x)
     >>> keras.ops.convert_to_numpy(codes)[0, :4].tolist()
@@ -355,7 +355,7 @@ def dequantize(codes, scale, axis=-1, block_shape=None):
 
     Example:
 
-    >>> from keras_mp.fp8.formats import nvfp4
+    >>> from keras_mp._fp8.formats import nvfp4
     >>> x = np.array([[0.5, -3.0, 6.0, 1.25] * 4])
     >>> codes, scale = nvfp4.quantize(x)
     >>> keras.ops.convert_to_numpy(nvfp4.dequantize(codes, scale))[0, :4]
@@ -405,7 +405,7 @@ def pack(codes, axis=-1):
 
     Example:
 
-    >>> from keras_mp.fp8.formats import nvfp4
+    >>> from keras_mp._fp8.formats import nvfp4
     >>> packed = nvfp4.pack(np.array([1, 15, 2, 0], "uint8"))
     >>> keras.ops.convert_to_numpy(packed).tolist()
     [241, 2]
@@ -462,7 +462,7 @@ def hadamard_matrix():
 
     Example:
 
-    >>> from keras_mp.fp8.formats import nvfp4
+    >>> from keras_mp._fp8.formats import nvfp4
     >>> h = keras.ops.convert_to_numpy(nvfp4.hadamard_matrix())
     >>> bool((h @ h.T == np.eye(16)).all()), float(h[3, 0])
     (True, -0.25)
@@ -495,7 +495,7 @@ def hadamard(x, axis=-1):
 
     Example:
 
-    >>> from keras_mp.fp8.formats import nvfp4
+    >>> from keras_mp._fp8.formats import nvfp4
     >>> y = nvfp4.hadamard(np.eye(16, dtype="float32"))
     >>> bool((keras.ops.convert_to_numpy(y) ==
     ...       keras.ops.convert_to_numpy(nvfp4.hadamard_matrix())).all())

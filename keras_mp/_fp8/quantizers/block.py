@@ -8,14 +8,14 @@ multiplied by its own scales, and the chunks are summed in float32.
 
 from keras import ops
 
+from keras_mp._fp8.formats.e4m3_e5m2 import quantize_reduced
+from keras_mp._fp8.quantizers.base import ROW
+from keras_mp._fp8.quantizers.base import Quantizer
+from keras_mp._fp8.quantizers.base import kernel_operand
+from keras_mp._fp8.quantizers.base import operand
+from keras_mp._fp8.quantizers.base import pad_rows
+from keras_mp._fp8.recipe import BLOCK_SIZE
 from keras_mp.backend import fp8 as fp8_backend
-from keras_mp.fp8.formats.e4m3_e5m2 import quantize_reduced
-from keras_mp.fp8.quantizers.base import ROW
-from keras_mp.fp8.quantizers.base import Quantizer
-from keras_mp.fp8.quantizers.base import kernel_operand
-from keras_mp.fp8.quantizers.base import operand
-from keras_mp.fp8.quantizers.base import pad_rows
-from keras_mp.fp8.recipe import BLOCK_SIZE
 
 
 def _static_size(x, axis, what):

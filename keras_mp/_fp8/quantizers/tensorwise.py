@@ -4,25 +4,25 @@ The forward codes serve the backward GEMMs: each operand is written in
 both layouts in one pass where the GEMM cares (PyTorch), and the two
 scales of a GEMM are one factor, which a GEMM may take itself
 (`keras_mp.backend.fp8.scaled_einsum`). The only quantizer that takes
-delayed scales (`keras_mp/fp8/delayed.py`).
+delayed scales (`keras_mp/_fp8/delayed.py`).
 """
 
 import functools
 
 from keras import ops
 
+from keras_mp._fp8 import delayed as delayed_module
+from keras_mp._fp8.formats.e4m3_e5m2 import e4m3_bits
+from keras_mp._fp8.formats.e4m3_e5m2 import e4m3_values
+from keras_mp._fp8.formats.e4m3_e5m2 import quantize_reduced
+from keras_mp._fp8.formats.e4m3_e5m2 import scale_from_amax
+from keras_mp._fp8.quantizers.base import BOTH
+from keras_mp._fp8.quantizers.base import Quantizer
+from keras_mp._fp8.quantizers.base import kernel_operand
+from keras_mp._fp8.quantizers.base import operand
+from keras_mp._fp8.recipe import Recipe
 from keras_mp.backend import fp8 as fp8_backend
 from keras_mp.backend.torch import ops as torch_ops
-from keras_mp.fp8 import delayed as delayed_module
-from keras_mp.fp8.formats.e4m3_e5m2 import e4m3_bits
-from keras_mp.fp8.formats.e4m3_e5m2 import e4m3_values
-from keras_mp.fp8.formats.e4m3_e5m2 import quantize_reduced
-from keras_mp.fp8.formats.e4m3_e5m2 import scale_from_amax
-from keras_mp.fp8.quantizers.base import BOTH
-from keras_mp.fp8.quantizers.base import Quantizer
-from keras_mp.fp8.quantizers.base import kernel_operand
-from keras_mp.fp8.quantizers.base import operand
-from keras_mp.fp8.recipe import Recipe
 
 
 def _delayed_scales(call, tensors, fmt):

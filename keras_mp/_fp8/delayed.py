@@ -42,12 +42,12 @@ import collections
 
 from keras import ops
 
+from keras_mp._fp8 import stats as stats_module
+from keras_mp._fp8.formats.e4m3_e5m2 import scale_from_amax
 from keras_mp._keras_internals import constant
 from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.backend.torch import delayed as torch_delayed
 from keras_mp.backend.torch import ops as torch_ops
-from keras_mp.fp8 import stats as stats_module
-from keras_mp.fp8.formats.e4m3_e5m2 import scale_from_amax
 
 # The carrier of a delayed layer: the statistics columns, two parity
 # columns and the loss scale of the next step.

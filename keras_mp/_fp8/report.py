@@ -15,11 +15,11 @@ import keras
 import numpy as np
 
 from keras_mp import _keras_internals
-from keras_mp.fp8 import stats as stats_module
-from keras_mp.fp8.formats import mxfp8
-from keras_mp.fp8.formats import nvfp4
-from keras_mp.fp8.formats.e4m3_e5m2 import scale_from_amax
-from keras_mp.fp8.recipe import NV_FORMATS
+from keras_mp._fp8 import stats as stats_module
+from keras_mp._fp8.formats import mxfp8
+from keras_mp._fp8.formats import nvfp4
+from keras_mp._fp8.formats.e4m3_e5m2 import scale_from_amax
+from keras_mp._fp8.recipe import NV_FORMATS
 
 _HOW_TO_COUNT = (
     "e.g. `keras_mp.set_global_policy('mixed_bfloat16', "
@@ -198,7 +198,7 @@ def report(model):
     shows its amax as the range from the lowest to the highest bin and
     the summed counts; under tf.distribute replicas and over an
     accumulation window, the bins of all and the
-    worst one's counts (see `keras_mp/fp8/stats.py`). Under
+    worst one's counts (see `keras_mp/_fp8/stats.py`). Under
     `keras_mp.LossScaleOptimizer` the output gradient's amax is free of
     the loss scale; under Keras's own `LossScaleOptimizer` it is
     multiplied by it. A frozen layer (`trainable=False`) and a layer that

@@ -1,5 +1,5 @@
 """OCP MXFP8: E4M3 values in blocks of 32 along each GEMM's contracted
-axis, each block with an E8M0 power-of-two scale (`keras_mp/fp8/formats/mxfp8.py`);
+axis, each block with an E8M0 power-of-two scale (`keras_mp/_fp8/formats/mxfp8.py`);
 with `formats="mxfp8_hybrid"` the output gradient's blocks hold E5M2.
 
 Every operand is quantized from its high-precision source along the axis
@@ -19,14 +19,14 @@ then a float32 matmul".
 
 from keras import ops
 
+from keras_mp._fp8.formats import mxfp8
+from keras_mp._fp8.formats.e4m3_e5m2 import e4m3_bits
+from keras_mp._fp8.formats.e4m3_e5m2 import e4m3_values
+from keras_mp._fp8.quantizers.base import Quantizer
+from keras_mp._fp8.quantizers.base import pad_rows
+from keras_mp._fp8.recipe import Recipe
 from keras_mp.backend import fp8 as fp8_backend
 from keras_mp.backend.torch import versions as torch_versions
-from keras_mp.fp8.formats import mxfp8
-from keras_mp.fp8.formats.e4m3_e5m2 import e4m3_bits
-from keras_mp.fp8.formats.e4m3_e5m2 import e4m3_values
-from keras_mp.fp8.quantizers.base import Quantizer
-from keras_mp.fp8.quantizers.base import pad_rows
-from keras_mp.fp8.recipe import Recipe
 
 
 class Mxfp8(Quantizer):

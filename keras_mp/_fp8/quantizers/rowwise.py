@@ -7,14 +7,14 @@ another axis, in the layout that GEMM takes it in.
 
 from keras import ops
 
+from keras_mp._fp8.formats.e4m3_e5m2 import quantize_reduced
+from keras_mp._fp8.quantizers.base import COLUMN
+from keras_mp._fp8.quantizers.base import ROW
+from keras_mp._fp8.quantizers.base import Quantizer
+from keras_mp._fp8.quantizers.base import kernel_operand
+from keras_mp._fp8.quantizers.base import operand
+from keras_mp._fp8.quantizers.base import scaled
 from keras_mp.backend import fp8 as fp8_backend
-from keras_mp.fp8.formats.e4m3_e5m2 import quantize_reduced
-from keras_mp.fp8.quantizers.base import COLUMN
-from keras_mp.fp8.quantizers.base import ROW
-from keras_mp.fp8.quantizers.base import Quantizer
-from keras_mp.fp8.quantizers.base import kernel_operand
-from keras_mp.fp8.quantizers.base import operand
-from keras_mp.fp8.quantizers.base import scaled
 
 
 class Rowwise(Quantizer):

@@ -29,7 +29,7 @@ the amax bin is the tensor's, as for every format.
 
 Autodiff sums a carrier's gradient over the calls of a layer in a step (and
 over the batch's shards under JAX's `DataParallel`); each GEMM's backward
-takes its max across tf.distribute replicas (`fp8/dot.py`: Keras's
+takes its max across tf.distribute replicas (`_fp8/dot.py`: Keras's
 optimizer keeps one replica's overwritten gradient), and Keras's optimizer
 takes their max over a `gradient_accumulation_steps` window, assigning it
 at the window's last micro-step. The bins present are those of every call,
@@ -45,11 +45,11 @@ import numpy as np
 from keras import ops
 
 from keras_mp import _keras_internals
+from keras_mp._fp8.formats.e4m3_e5m2 import FORMATS
 from keras_mp._keras_internals import constant
 from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.backend.torch import delayed as torch_delayed
 from keras_mp.backend.torch import ops as torch_ops
-from keras_mp.fp8.formats.e4m3_e5m2 import FORMATS
 
 TENSORS = ("input", "kernel", "output_gradient")
 HISTOGRAM_BINS = 512
@@ -117,7 +117,7 @@ def tensor_row(x, scale, fmt, counts=True, amax=None):
 def counted_row(x, flushed, saturated, amax=None):
     """The statistics row of float32 `x` whose quantization counted its
     own flushed and saturated values (NVFP4's, from its codes and two-level
-    scales: `keras_mp.fp8.formats.nvfp4.flushed_and_saturated`).
+    scales: `keras_mp._fp8.formats.nvfp4.flushed_and_saturated`).
 
     Args:
         x: The float32 tensor that was quantized.

@@ -1,6 +1,6 @@
 """`quantize` and `dequantize`: a tensor as FP8 codes and float32 scales.
 
-The public entry points of `keras_mp/fp8/quantizers/`: each granularity's
+The public entry points of `keras_mp/_fp8/quantizers/`: each granularity's
 quantizer says how it tiles a tensor and undoes it; the codes and the
 power-of-two scales come from `formats/e4m3_e5m2.py`.
 """
@@ -8,14 +8,14 @@ power-of-two scales come from `formats/e4m3_e5m2.py`.
 import keras
 from keras import ops
 
-from keras_mp.fp8 import quantizers
-from keras_mp.fp8.formats.e4m3_e5m2 import FORMATS
-from keras_mp.fp8.formats.e4m3_e5m2 import check_float
-from keras_mp.fp8.recipe import GRANULARITIES
-from keras_mp.fp8.recipe import MX_FORMATS
-from keras_mp.fp8.recipe import NV_FORMATS
-from keras_mp.fp8.recipe import SCALE_ROUNDINGS
-from keras_mp.fp8.recipe import check_choice
+from keras_mp._fp8 import quantizers
+from keras_mp._fp8.formats.e4m3_e5m2 import FORMATS
+from keras_mp._fp8.formats.e4m3_e5m2 import check_float
+from keras_mp._fp8.recipe import GRANULARITIES
+from keras_mp._fp8.recipe import MX_FORMATS
+from keras_mp._fp8.recipe import NV_FORMATS
+from keras_mp._fp8.recipe import SCALE_ROUNDINGS
+from keras_mp._fp8.recipe import check_choice
 
 # The dtype of the codes of the formats `codes.FORMATS` does not hold.
 _CODE_DTYPES = {"mxfp8": "float8_e4m3fn", "nvfp4": "uint8"}
@@ -50,12 +50,12 @@ def quantize(
             (`float8_e5m2`, largest value 57344), or `"mxfp8"` (OCP
             MXFP8: E4M3 codes in blocks of 32 along `axis`, each block's
             scale an E8M0 code, `uint8`, of shape `x.shape` with `axis`
-            divided by 32; see `keras_mp/fp8/formats/mxfp8.py`), or `"nvfp4"`
+            divided by 32; see `keras_mp/_fp8/formats/mxfp8.py`), or `"nvfp4"`
             (NVIDIA's NVFP4: uint8 E2M1 codes, one a byte, in blocks of 16
             along `axis`, or in 16x16 tiles with `block_shape=(16, 16)`,
             and as the scale the pair `(block_scale, tensor_scale)`: E4M3
             block scales and the float32 tensor scale; see
-            `keras_mp/fp8/formats/nvfp4.py`). Defaults to `"e4m3"`.
+            `keras_mp/_fp8/formats/nvfp4.py`). Defaults to `"e4m3"`.
         granularity: `"tensorwise"` (one scale, shape `()`), `"rowwise"`
             (one scale per slice along `axis`: the amax is reduced over
             `axis`, which stays as a size-1 dimension), or `"block"`
@@ -231,7 +231,7 @@ def _check_given_scale(fmt, scale, margin, scale_rounding):
             "margin, no scale rounding. Received: "
             f"scale={'a tensor' if scale is not None else None}, "
             f"margin={margin!r}, scale_rounding={scale_rounding!r}. Leave "
-            "them as None, 0 and None (or call `keras_mp.fp8.formats.nvfp4."
+            "them as None, 0 and None (or call `keras_mp._fp8.formats.nvfp4."
             "quantize` with `tensor_amax`)."
         )
 

@@ -1,5 +1,5 @@
 """NVFP4: E2M1 values in blocks of 16, E4M3 block scales and a float32
-tensor scale (`keras_mp/fp8/formats/nvfp4.py`), after Transformer Engine's NVFP4
+tensor scale (`keras_mp/_fp8/formats/nvfp4.py`), after Transformer Engine's NVFP4
 recipe (`NVFP4BlockScaling`).
 
 Every operand is quantized from its high-precision source along the axis
@@ -34,13 +34,13 @@ loss-scale skip to see.
 from keras import ops
 
 from keras_mp import _random_bits
+from keras_mp._fp8.formats import nvfp4
+from keras_mp._fp8.formats.e4m3_e5m2 import e4m3_bits
+from keras_mp._fp8.formats.e4m3_e5m2 import e4m3_values
+from keras_mp._fp8.quantizers.base import Quantizer
+from keras_mp._fp8.quantizers.base import pad_rows
 from keras_mp.backend import fp8 as fp8_backend
 from keras_mp.backend.torch import versions as torch_versions
-from keras_mp.fp8.formats import nvfp4
-from keras_mp.fp8.formats.e4m3_e5m2 import e4m3_bits
-from keras_mp.fp8.formats.e4m3_e5m2 import e4m3_values
-from keras_mp.fp8.quantizers.base import Quantizer
-from keras_mp.fp8.quantizers.base import pad_rows
 
 TILE = (nvfp4.BLOCK_SIZE, nvfp4.BLOCK_SIZE)
 # The constant each stochastically rounded role mixes into its key, so the

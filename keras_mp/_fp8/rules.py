@@ -13,7 +13,7 @@ import numbers
 
 import keras
 
-from keras_mp.fp8 import recipe as recipe_module
+from keras_mp._fp8 import recipe as recipe_module
 
 
 def has_gemm(layer):

@@ -14,8 +14,8 @@ import string
 
 from keras import ops
 
+from keras_mp._fp8.dot import dot
 from keras_mp.backend import fp8 as fp8_backend
-from keras_mp.fp8.dot import dot
 
 
 def _fail(equation, why):

@@ -3,18 +3,18 @@ scale granularity, one file each (`base.py` says what a quantizer is);
 `register` plugs in one defined outside keras_mp.
 """
 
-from keras_mp.fp8 import recipe as recipe_module
-from keras_mp.fp8.quantizers.base import Call
-from keras_mp.fp8.quantizers.base import Dtypes
-from keras_mp.fp8.quantizers.base import Quantizer
-from keras_mp.fp8.quantizers.base import Rows
-from keras_mp.fp8.quantizers.block import Block
-from keras_mp.fp8.quantizers.high_precision import HighPrecision
-from keras_mp.fp8.quantizers.mxfp8 import Mxfp8
-from keras_mp.fp8.quantizers.nvfp4 import FrozenNvfp4
-from keras_mp.fp8.quantizers.nvfp4 import Nvfp4
-from keras_mp.fp8.quantizers.rowwise import Rowwise
-from keras_mp.fp8.quantizers.tensorwise import Tensorwise
+from keras_mp._fp8 import recipe as recipe_module
+from keras_mp._fp8.quantizers.base import Call
+from keras_mp._fp8.quantizers.base import Dtypes
+from keras_mp._fp8.quantizers.base import Quantizer
+from keras_mp._fp8.quantizers.base import Rows
+from keras_mp._fp8.quantizers.block import Block
+from keras_mp._fp8.quantizers.high_precision import HighPrecision
+from keras_mp._fp8.quantizers.mxfp8 import Mxfp8
+from keras_mp._fp8.quantizers.nvfp4 import FrozenNvfp4
+from keras_mp._fp8.quantizers.nvfp4 import Nvfp4
+from keras_mp._fp8.quantizers.rowwise import Rowwise
+from keras_mp._fp8.quantizers.tensorwise import Tensorwise
 
 # Power-of-two E4M3 / E5M2 scales, by granularity.
 BY_GRANULARITY = {q.name: q for q in (Tensorwise(), Rowwise(), Block())}
@@ -59,7 +59,7 @@ def register(quantizer):
     """
     if not isinstance(quantizer, Quantizer):
         raise TypeError(
-            "`register` takes a `keras_mp.fp8.quantizers.Quantizer` "
+            "`register` takes a `keras_mp._fp8.quantizers.Quantizer` "
             f"instance. Received: quantizer={quantizer!r}. Subclass "
             "`Quantizer` and pass an instance of it."
         )

@@ -12,7 +12,7 @@ accumulation; the quantizer's other roles are untouched.
 
 from keras import ops
 
-from keras_mp.fp8.quantizers.base import Quantizer
+from keras_mp._fp8.quantizers.base import Quantizer
 
 ROLES = ("forward", "backward")
 

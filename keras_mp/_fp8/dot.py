@@ -18,14 +18,14 @@ import math
 import keras
 from keras import ops
 
+from keras_mp._fp8 import delayed as delayed_module
+from keras_mp._fp8 import quantizers
+from keras_mp._fp8 import recipe as recipe_module
+from keras_mp._fp8 import stats as stats_module
+from keras_mp._fp8.formats.e4m3_e5m2 import check_float
 from keras_mp.backend import fp8 as fp8_backend
 from keras_mp.backend import gradients as backend_gradients
 from keras_mp.backend.torch import ops as torch_ops
-from keras_mp.fp8 import delayed as delayed_module
-from keras_mp.fp8 import quantizers
-from keras_mp.fp8 import recipe as recipe_module
-from keras_mp.fp8 import stats as stats_module
-from keras_mp.fp8.formats.e4m3_e5m2 import check_float
 
 
 def _check_operands(x, kernel, recipe, output_dtype, delayed=None):
@@ -103,10 +103,10 @@ def dot(x, kernel, recipe=None, output_dtype=None, stats=None, delayed=None):
             `fp8_stats` variable, read), or None. Its value is ignored; its
             gradient is the statistics of this call's quantizations of the
             input, the kernel and the output gradient (see
-            `keras_mp/fp8/stats.py`). Defaults to `None`: no statistics and
+            `keras_mp/_fp8/stats.py`). Defaults to `None`: no statistics and
             no work for them.
         delayed: For `scaling="delayed"` only, what an FP8 layer's state
-            gives this call (`keras_mp.fp8.delayed.Scaling`); `stats` is
+            gives this call (`keras_mp._fp8.delayed.Scaling`); `stats` is
             then the layer's carrier, of shape `(3, 518)`, whose gradient
             also takes the parity of its fold count. Defaults to `None`.
 

@@ -10,7 +10,7 @@ a power of two is exact, so the only rounding is the cast to FP8, and a
 loss scale of `2**k` moves every scale by `2**k` and changes no code.
 
 These are the primitives every power-of-two quantizer
-(`keras_mp/fp8/quantizers/`) builds on: the scale of an amax, the codes of
+(`keras_mp/_fp8/quantizers/`) builds on: the scale of an amax, the codes of
 scaled values, and the operands a GEMM multiplies.
 """
 
@@ -19,10 +19,10 @@ import numpy as np
 from keras import ops
 
 from keras_mp import _random_bits
+from keras_mp._fp8.recipe import check_choice
 from keras_mp._keras_internals import constant
 from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.backend.torch import ops as torch_ops
-from keras_mp.fp8.recipe import check_choice
 
 # Format name -> (Keras dtype of the codes, largest finite value).
 FORMATS = {
