@@ -338,7 +338,7 @@ def test_a_keras_hub_decoder_keeps_its_first_and_last_blocks_and_trains():
 
 # ------------------------------------------------------------- statistics
 def _reference_bin(amax):
-    """The histogram bin of a float32 `amax` (`fp8/stats.py`), from
+    """The histogram bin of a float32 `amax` (`_fp8/stats.py`), from
     `np.frexp`."""
     if not np.isfinite(amax):
         return 510

@@ -1,4 +1,4 @@
-"""FP8 statistics (`keras_mp.fp8.stats`), `keras_mp.fp8.report` and the
+"""FP8 statistics (`keras_mp._fp8.stats`), `keras_mp.fp8.report` and the
 `keras_mp.callbacks.FP8Report` callback.
 
 The statistics of one `fp8.dot` call are the gradient of its carrier; they

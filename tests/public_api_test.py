@@ -213,7 +213,7 @@ def _docstring_examples():
         "keras_mp.autocast",
         "keras_mp.precision.rules",
         "keras_mp.explain",
-        "keras_mp.fp8.rules",
+        "keras_mp._fp8.rules",
     }
     examples = []
     for qualified, value in _exported():

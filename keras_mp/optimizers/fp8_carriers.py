@@ -3,12 +3,12 @@
 `FP8CarriersMixin`, a base of `LossScaleOptimizer`. An FP8 layer with
 statistics or delayed scaling passes a carrier variable to its GEMM, whose
 gradient holds the amaxes of the step as one-hot histogram bins
-(`keras_mp/fp8/stats.py`); the output gradient's arrive multiplied by the
+(`keras_mp/_fp8/stats.py`); the output gradient's arrive multiplied by the
 loss scale, and the optimizer assigns the carrier that gradient as it is.
 Before the step, the carriers' gradients are made free of the loss scale
 (Keras's own LossScaleOptimizer leaves them loss-scaled); after it, the
 loss scale of the next step is written into each delayed layer's carrier
-(`keras_mp/fp8/delayed.py`), whose backward multiplies its output
+(`keras_mp/_fp8/delayed.py`), whose backward multiplies its output
 gradient's scale by it. Imports `keras_mp.fp8`; never
 `loss_scale_optimizer.py` or `wrapper.py`.
 """
