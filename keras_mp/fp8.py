@@ -7,18 +7,21 @@ layers taken over, `keras_mp/fp8_adopt.py`) and `freeze` (an inference
 model, `keras_mp/fp8_freeze.py`). Nothing inside keras_mp imports it.
 """
 
-from keras_mp._fp8 import DEFAULT_RECIPE
-from keras_mp._fp8 import DEFAULT_RULES
-from keras_mp._fp8 import Recipe
-from keras_mp._fp8 import Report
-from keras_mp._fp8 import ReportRow
-from keras_mp._fp8 import Rules
-from keras_mp._fp8 import dequantize
-from keras_mp._fp8 import dot
-from keras_mp._fp8 import einsum
-from keras_mp._fp8 import is_available
-from keras_mp._fp8 import quantize
-from keras_mp._fp8 import report
+# From the modules that define them (not `keras_mp._fp8`, whose `dot`,
+# `einsum`, `quantize` and `report` are also submodules' names, which the
+# API reference's static reader would take instead).
+from keras_mp._fp8.availability import is_available
+from keras_mp._fp8.dot import dot
+from keras_mp._fp8.einsum import einsum
+from keras_mp._fp8.quantize import dequantize
+from keras_mp._fp8.quantize import quantize
+from keras_mp._fp8.recipe import DEFAULT_RECIPE
+from keras_mp._fp8.recipe import Recipe
+from keras_mp._fp8.report import Report
+from keras_mp._fp8.report import ReportRow
+from keras_mp._fp8.report import report
+from keras_mp._fp8.rules import DEFAULT_RULES
+from keras_mp._fp8.rules import Rules
 from keras_mp.fp8_adopt import adopt
 from keras_mp.fp8_freeze import freeze
 

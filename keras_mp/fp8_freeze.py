@@ -12,7 +12,6 @@ as such.
 import keras
 import numpy as np
 
-from keras_mp import _fp8 as fp8
 from keras_mp import _keras_internals
 from keras_mp import fp8_layers
 from keras_mp import policy as policy_module
@@ -21,6 +20,7 @@ from keras_mp._fp8 import quantizers
 from keras_mp._fp8 import stats as stats_module
 from keras_mp._fp8.einsum import kernel_matrix
 from keras_mp._fp8.formats.e4m3_e5m2 import scale_from_amax
+from keras_mp._fp8.recipe import Recipe
 from keras_mp.policy import Policy
 
 
@@ -122,7 +122,7 @@ def _static_recipe(recipe):
     kept = {name: config[name] for name in _STATIC_FIELDS if name in config}
     if quantizers.get(recipe).freezes:
         kept["granularity"] = recipe.granularity
-    return fp8.Recipe(scaling="static", **kept)
+    return Recipe(scaling="static", **kept)
 
 
 def freeze(model, calibration_data=None):

@@ -9,9 +9,10 @@ import functools
 import keras
 import numpy as np
 
-from keras_mp import _fp8 as fp8
 from keras_mp._fp8 import quantizers
 from keras_mp._fp8 import rules as rules_module
+from keras_mp._fp8.dot import dot
+from keras_mp._fp8.einsum import einsum
 from keras_mp._fp8.einsum import kernel_matrix
 from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.fp8_layers import lora
@@ -62,8 +63,8 @@ def _layer_kernel(layer, matrix, equation):
 def _gemm(equation, inputs, kernel, **kwargs):
     """`fp8.dot` for a `Dense` (`equation` None), else `fp8.einsum`."""
     if equation is None:
-        return fp8.dot(inputs, kernel, **kwargs)
-    return fp8.einsum(equation, inputs, kernel, **kwargs)
+        return dot(inputs, kernel, **kwargs)
+    return einsum(equation, inputs, kernel, **kwargs)
 
 
 def _calibrate(layer, inputs):

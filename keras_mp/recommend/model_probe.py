@@ -17,8 +17,8 @@ import warnings
 import keras
 import numpy as np
 
-from keras_mp import _fp8 as fp8_module
 from keras_mp import policy as policy_module
+from keras_mp._fp8.recipe import DEFAULT_RECIPE
 from keras_mp.backend import devices
 from keras_mp.backend import throughput as backend_throughput
 from keras_mp.precision import global_policy as global_policy_module
@@ -150,7 +150,7 @@ def _recommend_from_model(
         rounds=len(rounds),
         stable=stable,
         batch_size=_batch_size(x),
-        fp8=fp8_module.DEFAULT_RECIPE if chosen == _FP8 else None,
+        fp8=DEFAULT_RECIPE if chosen == _FP8 else None,
         fp8_skipped=fp8_skipped,
     )
 
@@ -168,7 +168,7 @@ def _building(name):
     with global_policy_module.policy_scope(
         _policy_of(name),
         float32_islands=global_policy_module.global_float32_islands(),
-        fp8=fp8_module.DEFAULT_RECIPE if name == _FP8 else None,
+        fp8=DEFAULT_RECIPE if name == _FP8 else None,
     ):
         yield
 
