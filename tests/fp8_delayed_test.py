@@ -13,6 +13,7 @@ import keras_mp
 from keras_mp import fp8
 from keras_mp import fp8_layers
 from keras_mp._fp8 import delayed
+from keras_mp._fp8 import stats as fp8_stats
 from keras_mp.testing import fp8_reference as reference
 from keras_mp.testing import to_numpy
 
@@ -34,7 +35,7 @@ def _state(layer):
 
 
 def _carrier(layer):
-    return to_numpy(fp8.stats.layer_carrier(layer))
+    return to_numpy(fp8_stats.layer_carrier(layer))
 
 
 def _te_scales(history, recipe):
@@ -243,7 +244,7 @@ def test_a_skipped_step_changes_no_state_the_next_step_uses():
             carrier[:, : delayed.LOSS_SCALE],
         )
     for w, previous in zip(model.trainable_weights, weights):
-        if not fp8.stats.is_carrier(w):
+        if not fp8_stats.is_carrier(w):
             np.testing.assert_array_equal(to_numpy(w), previous)
     _fit_steps(model, x, c, 2)
     for layer in layers:
@@ -449,6 +450,7 @@ import numpy as np
 
 import keras_mp
 from keras_mp import fp8
+from keras_mp._fp8 import stats as fp8_stats
 
 sys.path.insert(0, os.path.join(os.path.dirname(keras_mp.__path__[0]), "tests"))
 from fp8_delayed_test import _linear_loss, _parallel_model, _step_data

@@ -16,6 +16,7 @@ import pytest
 from keras import ops
 
 from keras_mp import fp8
+from keras_mp._fp8 import stats as fp8_stats
 from keras_mp.testing import fp8_reference as reference
 from keras_mp.testing import gemm_and_gradients as _run
 from keras_mp.testing import to_numpy
@@ -303,7 +304,7 @@ def test_torch_codes_of_16bit_inputs_are_made_without_a_float32_copy(
     recipe = fp8.Recipe(stats=stats)
 
     def run():
-        carrier = ops.zeros(fp8.stats.SHAPE) if stats else None
+        carrier = ops.zeros(fp8_stats.SHAPE) if stats else None
         carrier = carrier if carrier is None else carrier.requires_grad_(True)
 
         def function(x, kernel):
