@@ -13,6 +13,7 @@ import functools
 import keras
 
 from keras_mp import _keras_internals
+from keras_mp.backend.torch import versions as torch_versions
 
 
 def overwrites_with_gradient(variable):
@@ -54,7 +55,8 @@ def install_ema_exclusion():
     other variables; an optimizer class that defines these methods itself
     is left alone. The finalize also gives each weight a buffer apart from
     its average's (`_unshare_buffers`), so that a second `fit` trains on
-    JAX.
+    JAX. After each update the hook also drops the FP8 codes computed from
+    the variables before it (`backend/torch/versions.forget_stale`).
     """
     base = keras.optimizers.Optimizer
     apply = base._backend_apply_gradients
@@ -65,7 +67,10 @@ def install_ema_exclusion():
     @functools.wraps(apply)
     def _backend_apply_gradients(self, grads, trainable_variables):
         with _keras_internals.averaged_pairs_only(self):
-            return apply(self, grads, trainable_variables)
+            result = apply(self, grads, trainable_variables)
+        # The FP8 codes of the kernels just written are stale (PyTorch).
+        torch_versions.forget_stale(trainable_variables)
+        return result
 
     @functools.wraps(finalize)
     def finalize_variable_values(self, var_list):

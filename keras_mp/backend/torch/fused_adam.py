@@ -18,6 +18,8 @@ after a skipped first step.
 
 import keras
 
+from keras_mp.backend.torch import versions
+
 
 def supports(optimizer, grads, variables):
     """Whether `optimizer.apply(grads, variables)` is one fused Adam call.
@@ -106,6 +108,7 @@ def update(optimizer, grads, variables, is_finite):
         # kernel's FP8 codes on them: without the bump the next step's FP8
         # GEMMs would multiply the codes of the weights before this update.
         torch.autograd.graph.increment_version([v.value for _, v in pairs])
+        versions.forget_stale([v for _, v in pairs])
     optimizer.iterations.assign_add(
         keras.ops.cast(is_finite, optimizer.iterations.dtype)
     )

@@ -55,6 +55,29 @@ def reuse(tensor, key, compute):
     return cache[1][key]
 
 
+def forget_stale(variables):
+    """Drops what `reuse` computed from `variables` before their last
+    write.
+
+    A kernel's FP8 codes (on a GPU its row- and column-major E4M3 operands,
+    2 bytes a parameter in all) are of no use once the optimizer has
+    written the kernel: the next call computes them again. Kept until then,
+    they are a 2-byte copy of every FP8 kernel held between steps, which
+    bfloat16 training does not hold. Called after each optimizer update;
+    codes still current (a micro-step of gradient accumulation, a skipped
+    step) are kept. PyTorch only; elsewhere nothing is cached.
+    """
+    if keras.backend.backend() != "torch":
+        return
+    for variable in variables:
+        tensor = getattr(variable, "value", variable)
+        owner = getattr(tensor, "_base", None)
+        owner = tensor if owner is None else owner
+        cache = getattr(owner, "_keras_mp_fp8_operands", None)
+        if cache is not None and cache[0] != (owner.data_ptr(), owner._version):
+            del owner._keras_mp_fp8_operands
+
+
 def _modes_bump_versions():
     """Whether every active `TorchDispatchMode` bumps the version counters
     of what an operation writes (see `reuse`)."""
