@@ -378,11 +378,13 @@ def plot(args, curves, path):
         2, 1, figsize=(7, 7), sharex=True, dpi=90
     )
     baseline = np.mean([[loss for _, loss in c] for c in curves[BASELINE]], 0)
-    for name in args.variants:
+    colors = matplotlib.colormaps["tab20"].colors
+    for index, name in enumerate(args.variants):
         steps = [step for step, _ in curves[name][0]]
         mean = np.mean([[loss for _, loss in c] for c in curves[name]], 0)
-        top.plot(steps, mean, label=name, linewidth=1)
-        bottom.plot(steps, mean - baseline, label=name, linewidth=1)
+        style = {"label": name, "linewidth": 1, "color": colors[index % 20]}
+        top.plot(steps, mean, **style)
+        bottom.plot(steps, mean - baseline, marker=".", **style)
     top.set_ylabel("eval loss (nats/byte), mean over seeds")
     bottom.set_ylabel("gap to mixed_bfloat16 (nats/byte)")
     bottom.set_xlabel("step")
@@ -390,7 +392,7 @@ def plot(args, curves, path):
     top.legend(fontsize=7)
     top.set_title(
         f"{keras.backend.backend()}: GPT-2 bytes on the stdlib, "
-        f"{args.seeds} seeds",
+        f"mean of {args.seeds} seed(s)",
         fontsize=9,
     )
     figure.tight_layout()
