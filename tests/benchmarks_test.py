@@ -55,6 +55,9 @@ def smallest_flags(script):
     return args
 
 
+# Scripts with their own test module, which runs them on one backend.
+_OWN_TEST = {"convergence.py": "tests/convergence_smoke_test.py (JAX)"}
+
 # Flags added on TensorFlow, where a benchmark can also compile its step
 # with XLA or time another loop on request: one run checks both, with what
 # it must then print.
@@ -73,6 +76,8 @@ def test_benchmarks_are_found():
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.name)
 def test_benchmark_runs_with_the_smallest_flags_and_prints_a_ratio(script):
+    if script.name in _OWN_TEST:
+        pytest.skip(f"{script.name} runs in {_OWN_TEST[script.name]}")
     only = script_backend(script)
     if only is not None and only != keras.backend.backend():
         pytest.skip(f"{script.name} runs on the {only} backend only")
