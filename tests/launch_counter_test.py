@@ -10,9 +10,6 @@ the same from one step to the next, so a budget per step can be asserted.
 import importlib.util
 import os
 import pathlib
-import subprocess
-import sys
-import textwrap
 
 import keras
 import numpy as np
@@ -20,6 +17,7 @@ import pytest
 
 import keras_mp
 from keras_mp.testing import count_torch_launches
+from keras_mp.testing import run_python
 
 pytestmark = pytest.mark.backends("torch")
 
@@ -91,8 +89,7 @@ def test_fp8_layers_add_launches_over_bf16():
     assert fp8.launches > bf16.launches
 
 
-_TRITON_SCRIPT = textwrap.dedent(
-    """
+_TRITON_SCRIPT = """
     import torch
 
     from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
@@ -106,7 +103,6 @@ _TRITON_SCRIPT = textwrap.dedent(
         torch_fp8_operands.encode(x, scale, "e4m3", ("row", "column"))
     print((dict(count.triton), dict(count.ops)))
     """
-)
 
 
 @pytest.mark.skipif(
@@ -117,24 +113,18 @@ def test_a_triton_launch_counts_one_under_the_interpreter():
     and NumPy on the host; the counter takes it as the one launch it is on
     a GPU. In a fresh process, as `torch_fp8_operands_test.py` explains
     (`.ci/run` installs Triton for this check and that one)."""
-    env = dict(
-        os.environ,
-        TRITON_INTERPRET="1",
-        KERAS_BACKEND="torch",
-        PYTHONPATH=os.pathsep.join(
-            [str(_ROOT), os.environ.get("PYTHONPATH", "")]
-        ),
+    stdout = run_python(
+        _TRITON_SCRIPT,
+        env={
+            "TRITON_INTERPRET": "1",
+            "KERAS_BACKEND": "torch",
+            "PYTHONPATH": os.pathsep.join(
+                [str(_ROOT), os.environ.get("PYTHONPATH", "")]
+            ),
+        },
     )
-    result = subprocess.run(
-        [sys.executable, "-c", _TRITON_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    triton, ops = eval(result.stdout.strip().splitlines()[-1])
+    triton, ops = eval(stdout.strip().splitlines()[-1])
     # One kernel writes both layouts; the scale's reciprocal is the one
     # other launch, and nothing the interpreter runs inside is counted.
-    assert triton == {"quantize": 1}, result.stdout
-    assert ops == {"aten::reciprocal": 1}, result.stdout
+    assert triton == {"quantize": 1}, stdout
+    assert ops == {"aten::reciprocal": 1}, stdout

@@ -1,7 +1,5 @@
 """torch's fused Adam/AdamW kernel, skipped on the device by a flag.
 
-Imports nothing from keras_mp.
-
 For `LossScaleOptimizer(..., skip_on_device=True)` on PyTorch with Keras's
 own Adam or AdamW: `torch._fused_adamw_` takes a `found_inf` tensor and
 leaves weights and moments untouched when it is 1, so the skip needs no

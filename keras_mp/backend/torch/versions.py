@@ -41,10 +41,7 @@ def reuse(tensor, key, compute):
         or not _modes_bump_versions()
     ):
         return compute()
-    # A view (`fp8.einsum`'s reshaped kernel, new at each call) keeps the
-    # cache on the tensor it views, which shares its version counter.
-    owner = tensor if tensor._base is None else tensor._base
-    stamp = (owner.data_ptr(), owner._version)
+    owner, stamp = _owner_and_stamp(tensor)
     key = (tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), key)
     cache = getattr(owner, "_keras_mp_fp8_operands", None)
     if cache is None or cache[0] != stamp:
@@ -70,12 +67,19 @@ def forget_stale(variables):
     if keras.backend.backend() != "torch":
         return
     for variable in variables:
-        tensor = getattr(variable, "value", variable)
-        owner = getattr(tensor, "_base", None)
-        owner = tensor if owner is None else owner
+        owner, stamp = _owner_and_stamp(getattr(variable, "value", variable))
         cache = getattr(owner, "_keras_mp_fp8_operands", None)
-        if cache is not None and cache[0] != (owner.data_ptr(), owner._version):
+        if cache is not None and cache[0] != stamp:
             del owner._keras_mp_fp8_operands
+
+
+def _owner_and_stamp(tensor):
+    """The tensor that holds `reuse`'s cache for `tensor`, and the stamp of
+    its values: a view (`fp8.einsum`'s reshaped kernel, new at each call)
+    keeps the cache on the tensor it views, which shares its version
+    counter."""
+    owner = tensor if tensor._base is None else tensor._base
+    return owner, (owner.data_ptr(), owner._version)
 
 
 def _modes_bump_versions():
