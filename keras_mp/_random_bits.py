@@ -1,8 +1,8 @@
 """Counter-based pseudo-random bits in integer `keras.ops`.
 
-The rounding noise of stochastic rounding: `optimizers/state_precision.py`
-computes it with these functions and `backend/optimizer_state.py` (torch's
-fused update) reproduces it bit for bit, so both import it from here. Imports
+The rounding noise of stochastic rounding: `optimizers/state_formats.py`
+computes it with these functions and `backend/torch/fused_*.py` (torch's
+fused updates) reproduce it bit for bit, so both import it from here. Imports
 nothing from keras_mp.
 """
 

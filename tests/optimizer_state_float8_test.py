@@ -8,7 +8,7 @@ import pytest
 from keras import ops
 
 import keras_mp
-from keras_mp.optimizers import float8_state
+from keras_mp.optimizers import state_formats
 from keras_mp.testing import apply_as_fit
 from keras_mp.testing import assert_bitwise_equal
 from keras_mp.testing import bytes_per_parameter
@@ -36,14 +36,14 @@ def test_quantize_matches_the_numpy_oracle_bit_for_bit(stochastic, shape):
     x[0, :3] = [0.0, -0.0, 1e-30]
     x = x.astype(np.float32)
     seed = np.array([7, 11], np.int32) if stochastic else None
-    codes, scales = float8_state.quantize(
+    codes, scales = state_formats.quantize(
         ops.convert_to_tensor(x),
         None if seed is None else ops.convert_to_tensor(seed),
     )
     expected_codes, expected_scales = reference.quantize(x, seed)
     assert_bitwise_equal(to_numpy(codes), expected_codes)
     assert_bitwise_equal(to_numpy(scales), expected_scales)
-    decoded = float8_state.dequantize(codes, scales)
+    decoded = state_formats.dequantize(codes, scales)
     assert_bitwise_equal(
         to_numpy(decoded), reference.dequantize(expected_codes, expected_scales)
     )
@@ -57,7 +57,7 @@ def test_every_code_decodes_as_ml_dtypes_does():
     codes = np.arange(256, dtype=np.uint8).reshape(2, 128)
     scales = np.array([1.0, 2.0**-20], np.float32)
     decoded = to_numpy(
-        float8_state.dequantize(
+        state_formats.dequantize(
             ops.convert_to_tensor(codes), ops.convert_to_tensor(scales)
         )
     )
@@ -76,8 +76,8 @@ def test_stochastic_rounding_is_unbiased_to_the_e4m3_grid():
     # The block scale 2**-8 puts 1.03 at 263.68, between E4M3's 256 and 288
     # (1.0 and 1.125 once scaled): rounded up 24% of the time.
     x = ops.full((128 * 64,), 1.03)
-    codes, scales = float8_state.quantize(x, ops.convert_to_tensor([3, 4]))
-    decoded = to_numpy(float8_state.dequantize(codes, scales))
+    codes, scales = state_formats.quantize(x, ops.convert_to_tensor([3, 4]))
+    decoded = to_numpy(state_formats.dequantize(codes, scales))
     assert set(np.unique(decoded)) == {1.0, 1.125}
     assert abs(decoded.mean() - 1.03) < 0.002
 
@@ -103,7 +103,7 @@ def test_one_adam_step_matches_the_numpy_oracle_bit_for_bit():
         for slot in slots[2 * i : 2 * i + 2]:
             codes, scales = _random_state(rng, shape)
             slot.assign(codes)
-            optimizer._float8_slots.scales_of(slot)[0].assign(scales)
+            optimizer._state_slots.stored(slot)[1].assign(scales)
             state += [codes, scales]
         states.append(state)
     seed_state = next(
@@ -134,7 +134,7 @@ def test_one_adam_step_matches_the_numpy_oracle_bit_for_bit():
             )
         actual = []
         for slot in slots[2 * i : 2 * i + 2]:
-            scales = optimizer._float8_slots.scales_of(slot)[0]
+            scales = optimizer._state_slots.stored(slot)[1]
             actual += [to_numpy(slot), to_numpy(scales)]
         for got, want in zip(actual, expected_state):
             assert_bitwise_equal(got, want)
@@ -246,7 +246,9 @@ def test_master_weights_with_float8_state_train_a_bfloat16_model():
 
 def _slot_values(optimizer):
     """Adam's moments as float32 values, whatever the state dtype."""
-    slots = optimizer._float8_slots
+    slots = optimizer._state_slots
+    if slots is not None and slots.format.name != "float8":
+        slots = None
     values = []
     for variable in optimizer.inner_optimizer.variables:
         if not variable.path.endswith(("momentum", "velocity")):
@@ -254,7 +256,7 @@ def _slot_values(optimizer):
         if slots is None:
             values.append(to_numpy(ops.cast(variable, "float32")))
             continue
-        scales = to_numpy(slots.scales_of(variable)[0])
+        scales = to_numpy(slots.stored(variable)[1])
         value = reference.dequantize(to_numpy(variable), scales)
         if variable.path.endswith("velocity"):
             value = value * value
@@ -407,6 +409,6 @@ def test_torch_in_place_update_is_bit_identical_to_keras_ops(
             [to_numpy(v) for v in variables]
             + [to_numpy(v) for v in optimizer.variables]
         )
-    assert optimizer._float8_slots._fused is not None
+    assert optimizer._state_slots.rule._fused is not None
     for got, want in zip(*results):
         assert_bitwise_equal(got, want)

@@ -9,7 +9,7 @@ import pytest
 from keras import ops
 
 import keras_mp
-from keras_mp.optimizers.state_precision import stochastic_round_to_bfloat16
+from keras_mp.optimizers.state_formats import stochastic_round_to_bfloat16
 from keras_mp.testing import apply_as_fit
 from keras_mp.testing import assert_bitwise_equal
 from keras_mp.testing import to_numpy

@@ -4,9 +4,8 @@
 with other settings loads (`checkpointing.py` asks): the seed state of
 stochastic rounding and the masters, saved last, are kept or dropped, and
 the inner optimizer's slots are converted where one side holds float8
-state (codes and block scales) and the other not. Each warns. Imports
-`optimizers/float8_state.py`; never `optimizers/wrapper.py` or a module
-above it.
+state (codes and block scales, `state_formats.Float8BlockState`) and the
+other not. Each warns.
 """
 
 import warnings
@@ -14,12 +13,13 @@ import warnings
 import numpy as np
 
 from keras_mp.optimizers import float8_state
+from keras_mp.optimizers import state_formats
 
 
 class StateConversionMixin:
     """Checkpoint values matched to a wrapper's state precision.
 
-    Relies on the wrapper's `_state_precision_variables` and `_float8_slots`
+    Relies on the wrapper's `_state_precision_variables` and `_state_slots`
     (set by `StatePrecisionMixin`) and `name`.
     """
 
@@ -72,22 +72,26 @@ class StateConversionMixin:
         as they are (the caller reports the mismatch).
         """
         values = [np.asarray(v) for v in values]
-        slots = self._float8_slots
-        if slots is not None:
-            scales = {
-                id(entry[0])
-                for entry in map(slots.scales_of, variables)
-                if entry is not None
+        slots = self._state_slots
+        float8 = state_formats.Float8BlockState(stochastic_rounding=False)
+        if slots is not None and slots.format.name == "float8":
+            # The stored variables after each slot's first (its scales).
+            companions = {
+                id(companion)
+                for variable in variables
+                for companion in (slots.stored(variable) or [])[1:]
             }
-            if not scales or len(values) != len(variables) - len(scales):
+            if not companions or len(values) != len(variables) - len(
+                companions
+            ):
                 return values
             converted, remaining = [], iter(values)
             for variable in variables:
-                if id(variable) in scales:
+                if id(variable) in companions:
                     continue
                 value = next(remaining)
-                entry = slots.scales_of(variable)
-                if entry is None:
+                name = slots.slot_name(variable)
+                if name is None:
                     converted.append(value)
                     continue
                 if not np.issubdtype(value.dtype, np.floating) and (
@@ -95,11 +99,11 @@ class StateConversionMixin:
                 ):
                     return values
                 value = value.astype(np.float32)
-                if entry[1]:
+                if float8_state.ADAM_SLOTS[name]:
                     value = np.sqrt(value)
-                converted += list(float8_state.quantize_numpy(value))
+                converted += float8.encode_numpy(value)
             source = sorted({str(v.dtype) for v in values if v.ndim})
-            what, conversion = len(scales), f"{'/'.join(source)} to float8"
+            what, conversion = len(companions), f"{'/'.join(source)} to float8"
         else:
             codes = sum(v.dtype == np.uint8 for v in values)
             if not codes or len(values) != len(variables) + codes:
@@ -109,7 +113,7 @@ class StateConversionMixin:
                 value = values[index]
                 index += 1
                 if value.dtype == np.uint8:
-                    value = float8_state.dequantize_numpy(value, values[index])
+                    value = float8.decode_numpy([value, values[index]])
                     index += 1
                     if float8_state.is_second_moment(variable.path):
                         value = value * value
@@ -122,7 +126,7 @@ class StateConversionMixin:
             + (
                 "(float8 codes and block scales are written from the values, "
                 "rounded to nearest)."
-                if slots is not None
+                if conversion.endswith("to float8")
                 else "(float8 codes and block scales decoded exactly)."
             ),
             stacklevel=5,

@@ -1,5 +1,5 @@
 """A NumPy + `ml_dtypes` oracle of `state_dtype="float8"`, written apart
-from `keras_mp/optimizers/float8_state.py`.
+from `keras_mp/optimizers/state_formats.py` and `float8_state.py`.
 
 Scales from `np.frexp` (`fp8_reference.scale`), codes from `ml_dtypes`
 casts (round to nearest, ties to even) of values that are, for stochastic

@@ -32,7 +32,7 @@ _BLOCK_SIZE = 128
 class FusedFloat8Update:
     """Adam's float8 update of one variable, in place (PyTorch only).
 
-    The same arithmetic as `Float8Slots.update_step`, in the same order and
+    The same arithmetic as `Float8Adam.update_step`, in the same order and
     with the same float32 roundings: every operation of it is the PyTorch
     kernel `keras.ops` would call (in place where it can be), chunk by
     chunk of whole blocks, so codes, scales and the weight come out bit
