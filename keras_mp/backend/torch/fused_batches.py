@@ -4,28 +4,24 @@
 scratch buffers (a large variable into segments, small ones sharing a
 batch); `Batch` holds one batch's views of those buffers;
 `hash32_in_place` is the counter hash of stochastic rounding on int32
-tensors, in place. Used only by `fused_state_update.py`; torch is
-imported inside the functions, as the module loads on every backend.
+tensors, in place (also `fused_float8_update.py`'s). torch is imported
+inside the functions, as the module loads on every backend.
 """
 
 
 def hash32_in_place(x, temporary):
-    """`keras_mp._random_bits.hash32` on int32 `x`, in place; only the low
-    16 bits of the result are right (the caller keeps only those): the last
-    logical shift is an arithmetic one, which differs from it in the high
-    bits only."""
+    """`keras_mp._random_bits.hash32` of int32 `x`, in place (its logical
+    right shifts made by masking), with an int32 scratch `temporary` of
+    `x`'s shape. The stochastic rounding of both fused updates (16-bit
+    state here, float8 state in `fused_float8_update.py`) hashes with it."""
     import torch
 
-    torch.bitwise_right_shift(x, 16, out=temporary)
-    temporary.bitwise_and_(0xFFFF)
-    x.bitwise_xor_(temporary)
-    x.mul_(0x7FEB352D)
-    torch.bitwise_right_shift(x, 15, out=temporary)
-    temporary.bitwise_and_(0x1FFFF)
-    x.bitwise_xor_(temporary)
-    x.mul_(-2073254261)
-    torch.bitwise_right_shift(x, 16, out=temporary)
-    x.bitwise_xor_(temporary)
+    for shift, multiplier in ((16, 0x7FEB352D), (15, -2073254261), (16, None)):
+        torch.bitwise_right_shift(x, shift, out=temporary)
+        temporary.bitwise_and_((1 << (32 - shift)) - 1)
+        x.bitwise_xor_(temporary)
+        if multiplier is not None:
+            x.mul_(multiplier)
 
 
 class Layout:

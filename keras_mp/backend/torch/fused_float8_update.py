@@ -12,6 +12,7 @@ and every other operation runs in place on a slice of at most
 
 from keras_mp import _keras_internals
 from keras_mp import _random_bits
+from keras_mp.backend.torch import fused_batches
 
 # Whether the fused PyTorch update below may run (tests turn it off to
 # compare it with the `keras.ops` path it replaces).
@@ -219,7 +220,7 @@ class FusedFloat8Update:
         steps.mul_(i2.view(torch.float32))
         if key is not None:
             torch.add(self._index[: x.numel()], key, out=i2)
-            _hash32_in_place(i2, i3)
+            fused_batches.hash32_in_place(i2, i3)
             i2.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
             uniform = i3.view(torch.float32)
             uniform.copy_(i2)
@@ -244,16 +245,3 @@ def _per_block(x, scales, method):
         getattr(head, method)(scales[:full, None])
     if full * _BLOCK_SIZE < x.numel():
         getattr(x[full * _BLOCK_SIZE :], method)(scales[full])
-
-
-def _hash32_in_place(x, temporary):
-    """`keras_mp._random_bits.hash32` of int32 `x`, in place (logical right
-    shifts made by masking, as there)."""
-    import torch
-
-    for shift, multiplier in ((16, 0x7FEB352D), (15, -2073254261), (16, None)):
-        torch.bitwise_right_shift(x, shift, out=temporary)
-        temporary.bitwise_and_((1 << (32 - shift)) - 1)
-        x.bitwise_xor_(temporary)
-        if multiplier is not None:
-            x.mul_(multiplier)
