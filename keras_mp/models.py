@@ -29,10 +29,8 @@ from keras_mp import callbacks as callbacks_module
 from keras_mp import policy as policy_module
 from keras_mp.backend import gradients as backend_gradients
 from keras_mp.optimizers import checkpointing
+from keras_mp.optimizers.loss_scale_inputs import contains_loss_scale_optimizer
 from keras_mp.optimizers.loss_scale_optimizer import LossScaleOptimizer
-from keras_mp.optimizers.loss_scale_optimizer import (
-    _contains_loss_scale_optimizer,
-)
 from keras_mp.optimizers.wrapper import transformed_loss
 from keras_mp.policy import Policy
 from keras_mp.precision import global_policy as global_policy_module
@@ -65,7 +63,7 @@ def wrap_for_policy(optimizer, policy, skip_nonfinite=False):
     ):
         return optimizer
     optimizer = keras.optimizers.get(optimizer)
-    if optimizer is None or _contains_loss_scale_optimizer(optimizer):
+    if optimizer is None or contains_loss_scale_optimizer(optimizer):
         return optimizer
     if template is None:
         return LossScaleOptimizer(
@@ -147,7 +145,7 @@ def _wraps_loss_scale_optimizer(optimizer):
     return (
         isinstance(optimizer, keras.optimizers.Optimizer)
         and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-        and _contains_loss_scale_optimizer(optimizer)
+        and contains_loss_scale_optimizer(optimizer)
     )
 
 

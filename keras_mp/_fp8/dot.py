@@ -21,6 +21,7 @@ from keras import ops
 from keras_mp._fp8 import delayed as delayed_module
 from keras_mp._fp8 import quantizers
 from keras_mp._fp8 import recipe as recipe_module
+from keras_mp._fp8 import recipe_fields
 from keras_mp._fp8 import stats as stats_module
 from keras_mp._fp8.formats.e4m3_e5m2 import check_float
 from keras_mp.backend import fp8 as fp8_backend
@@ -33,7 +34,7 @@ def _check_operands(x, kernel, recipe, output_dtype, delayed=None):
     # holds NVFP4 values already, and each call's input is scaled anew.
     frozen_nv = (
         recipe.scaling == "static"
-        and recipe.formats in recipe_module.NV_FORMATS
+        and recipe.formats in recipe_fields.NV_FORMATS
     )
     if recipe.scaling != "current" and delayed is None and not frozen_nv:
         raise ValueError(

@@ -11,11 +11,11 @@ from keras import ops
 from keras_mp._fp8 import quantizers
 from keras_mp._fp8.formats.e4m3_e5m2 import FORMATS
 from keras_mp._fp8.formats.e4m3_e5m2 import check_float
-from keras_mp._fp8.recipe import GRANULARITIES
-from keras_mp._fp8.recipe import MX_FORMATS
-from keras_mp._fp8.recipe import NV_FORMATS
-from keras_mp._fp8.recipe import SCALE_ROUNDINGS
-from keras_mp._fp8.recipe import check_choice
+from keras_mp._fp8.recipe_fields import GRANULARITIES
+from keras_mp._fp8.recipe_fields import MX_FORMATS
+from keras_mp._fp8.recipe_fields import NV_FORMATS
+from keras_mp._fp8.recipe_fields import SCALE_ROUNDINGS
+from keras_mp._fp8.recipe_fields import check_choice
 
 # The dtype of the codes of the formats `codes.FORMATS` does not hold.
 _CODE_DTYPES = {"mxfp8": "float8_e4m3fn", "nvfp4": "uint8"}

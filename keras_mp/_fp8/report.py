@@ -19,7 +19,7 @@ from keras_mp._fp8 import stats as stats_module
 from keras_mp._fp8.formats import mxfp8
 from keras_mp._fp8.formats import nvfp4
 from keras_mp._fp8.formats.e4m3_e5m2 import scale_from_amax
-from keras_mp._fp8.recipe import NV_FORMATS
+from keras_mp._fp8.recipe_fields import NV_FORMATS
 
 _HOW_TO_COUNT = (
     "e.g. `keras_mp.set_global_policy('mixed_bfloat16', "

@@ -5,15 +5,16 @@ layers these rules select; the checks here also refuse a recipe given to a
 layer that has no GEMM, or a `"block"` recipe given to a GEMM whose
 dimensions do not divide into its tiles. Only Keras's public API is used
 here; `keras_mp.precision` (floor 4) applies the rules to a model's layers.
-Imports nothing from keras_mp but `fp8.recipe`.
+Imports nothing from keras_mp but `_fp8/recipe.py` and
+`_fp8/recipe_fields.py`.
 """
 
 import math
-import numbers
 
 import keras
 
 from keras_mp._fp8 import recipe as recipe_module
+from keras_mp._fp8.recipe_fields import check_int
 
 
 def has_gemm(layer):
@@ -114,15 +115,7 @@ class Rules:
             ("nvfp4_high_precision_first", nvfp4_high_precision_first, 0),
             ("nvfp4_high_precision_last", nvfp4_high_precision_last, 0),
         ):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, numbers.Integral)
-                or value < minimum
-            ):
-                raise ValueError(
-                    f"`{name}` is an integer >= {minimum}. Received: "
-                    f"{name}={value!r}"
-                )
+            check_int(name, value, minimum)
         self._multiple = int(multiple)
         self._block_multiple = int(block_multiple)
         self._mx_multiple = int(mx_multiple)

@@ -1,16 +1,18 @@
 """LossScaleOptimizer: loss scaling on the RFC 234 pipeline.
 
 Scaling the loss, unscaling the gradients (once, whichever loop style),
-the finite check and the skip decision, the loss scale's update, and the
-Keras 3 / tf.keras constructor arguments, and the skip without a loss
-scale (`skip_nonfinite`). Composes `accumulation.py` (windows),
+the finite check and the skip decision, the loss scale's update, the
+Keras 3 / tf.keras names of the scale (`dynamic`, `initial_scale`,
+`dynamic_growth_steps`), and the skip without a loss scale
+(`skip_nonfinite`). Composes `accumulation.py` (windows),
 `overflow.py` (counters, reports), `consecutive_skips.py` (the stop after
 skipped steps in a row), `host_skip.py` (PyTorch's default step, decided
 on the host) and `fp8_carriers.py` (FP8 carriers free of the loss scale,
 and the next step's loss scale written into delayed ones);
-`legacy_arguments.py` reads Keras 3's and tf.keras's arguments. Imports
-those, `wrapper.py`, `keras_mp.loss_scale` and `keras_mp.backend`; never
-`models.py`, `callbacks.py` or `recommend`.
+`loss_scale_inputs.py` checks its constructor's arguments (Keras 3's and
+tf.keras's read by `legacy_arguments.py`). Imports those, `wrapper.py`,
+`keras_mp.loss_scale` and `keras_mp.backend`; never `models.py`,
+`callbacks.py` or `recommend`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from keras_mp import loss_scale as loss_scale_module
 from keras_mp.backend import collectives
 from keras_mp.backend import gradients as backend_gradients
 from keras_mp.optimizers import consecutive_skips
-from keras_mp.optimizers import legacy_arguments
+from keras_mp.optimizers import loss_scale_inputs
 from keras_mp.optimizers import overflow
 from keras_mp.optimizers.accumulation import AccumulationMixin
 from keras_mp.optimizers.consecutive_skips import ConsecutiveSkipsMixin
@@ -40,15 +42,6 @@ from keras_mp.optimizers.host_skip import HostSkipMixin
 from keras_mp.optimizers.overflow import OverflowTrackingMixin
 from keras_mp.optimizers.wrapper import GradsAndVars
 from keras_mp.optimizers.wrapper import OptimizerWrapper
-
-
-def _contains_loss_scale_optimizer(optimizer):
-    while True:
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            return True
-        if not isinstance(optimizer, OptimizerWrapper):
-            return False
-        optimizer = optimizer.inner_optimizer
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -195,68 +188,18 @@ class LossScaleOptimizer(
         max_consecutive_skips: int | str | None = "auto",
         **kwargs: Any,
     ) -> None:
-        legacy = {
-            key: kwargs.pop(key)
-            for key in ("dynamic", "initial_scale", "dynamic_growth_steps")
-            if key in kwargs
-        }
-        for key, default in legacy_arguments.KERAS_BASE_DEFAULTS.items():
-            if key in kwargs and kwargs.pop(key) != default:
-                raise ValueError(
-                    f"LossScaleOptimizer does not support `{key}`. Instead, "
-                    f"set `{key}` on the `inner_optimizer`."
-                )
-        if kwargs:
-            raise ValueError(
-                "LossScaleOptimizer does not support arguments: "
-                f"`{'`, `'.join(kwargs)}`. It takes inner_optimizer, "
-                "loss_scale, aggregate_in_float16, transform_gradients, "
-                "aggregate_gradients, name, track_overflow, state_dtype, "
-                "stochastic_rounding, master_weights, skip_on_device, "
-                "skip_nonfinite and max_consecutive_skips."
-            )
-        if legacy:
-            if loss_scale != "dynamic":
-                raise ValueError(
-                    "Pass either `loss_scale` or the legacy arguments "
-                    f"{sorted(legacy)}, not both. Received: "
-                    f"loss_scale={loss_scale!r}, {legacy}"
-                )
-            loss_scale = legacy_arguments.loss_scale_from_legacy(
-                legacy.get("dynamic"),
-                legacy.get("initial_scale"),
-                legacy.get("dynamic_growth_steps"),
-            )
-        if isinstance(inner_optimizer, keras.optimizers.Optimizer) and (
-            _contains_loss_scale_optimizer(inner_optimizer)
-        ):
-            raise ValueError(
-                "The inner optimizer already scales the loss: "
-                f"{inner_optimizer!r} is or wraps a LossScaleOptimizer. "
-                "Wrap the plain optimizer instead; scaling twice would "
-                "square the scale."
-            )
-        for flag, value in (
-            ("aggregate_in_float16", aggregate_in_float16),
-            ("track_overflow", track_overflow),
-            ("skip_on_device", skip_on_device),
-            ("skip_nonfinite", skip_nonfinite),
-        ):
-            if not isinstance(value, bool):
-                raise TypeError(
-                    f"`{flag}` must be a bool. Received: {flag}={value!r}"
-                )
-        if loss_scale is None and skip_nonfinite:
-            loss_scale = 1
-        loss_scale = loss_scale_module.get(loss_scale)
-        if loss_scale is None:
-            raise ValueError(
-                "LossScaleOptimizer needs a loss scale. Received: "
-                "loss_scale=None. Use the inner optimizer directly to train "
-                "without loss scaling, or pass skip_nonfinite=True to skip "
-                "non-finite steps without it."
-            )
-        _claim(loss_scale, name)
+        loss_scale = loss_scale_inputs.checked_loss_scale(
+            inner_optimizer,
+            loss_scale,
+            name,
+            {
+                "aggregate_in_float16": aggregate_in_float16,
+                "track_overflow": track_overflow,
+                "skip_on_device": skip_on_device,
+                "skip_nonfinite": skip_nonfinite,
+            },
+            kwargs,
+        )
         max_consecutive_skips = consecutive_skips.check_max_consecutive_skips(
             max_consecutive_skips, skip_nonfinite, loss_scale
         )
@@ -553,20 +496,3 @@ class LossScaleOptimizer(
 class _StepRecord(threading.local):
     loss_scaled = False
     gradients_unscaled = False
-
-
-def _claim(loss_scale, name):
-    """Refuses a loss scale that another live optimizer already owns."""
-    owner = getattr(loss_scale, "_keras_mp_owner", None)
-    owner = owner() if owner is not None else None
-    if owner is not None:
-        raise ValueError(
-            f"This {type(loss_scale).__name__} already belongs to the "
-            f"LossScaleOptimizer {owner.name!r}; two optimizers sharing it "
-            "would share its state (an overflow in one would lower the "
-            "other's scale). Received: loss_scale="
-            f"{loss_scale!r} for optimizer {name or 'LossScaleOptimizer'!r}. "
-            "Give each optimizer its own loss scale, e.g. "
-            "`keras_mp.DynamicLossScale(...)` twice, or "
-            "`type(scale).from_config(scale.get_config())`."
-        )

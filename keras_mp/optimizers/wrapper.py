@@ -1,8 +1,9 @@
 """OptimizerWrapper: the RFC 234 pipeline around an inner optimizer.
 
 The six stages, the entry points (`minimize`, `apply`, `apply_gradients`,
-`stateless_apply`), the skip (`apply_if`), `build` and serialization. The
-concerns it composes live beside it: `delegation.py` (hyperparameters),
+`stateless_apply`), the skip (`apply_if`), the `build_wrapper` hook and
+serialization. The concerns it composes live beside it: `building.py`
+(`build`, `variables`), `delegation.py` (hyperparameters),
 `checkpointing.py` (restore), `state_precision.py` (state dtype, masters),
 `overwrite_with_gradient.py` (variables left alone), `inputs.py` (checks of
 what it is given). Imports those,
@@ -20,18 +21,16 @@ from typing import Any
 import keras
 
 from keras_mp import _config
-from keras_mp import _keras_internals
 from keras_mp import transforms as transforms_module
-from keras_mp.backend import collectives
 from keras_mp.backend import gradients as backend_gradients
 from keras_mp.optimizers import checkpointing
 from keras_mp.optimizers import delegation
 from keras_mp.optimizers import inputs
 from keras_mp.optimizers import skip
 from keras_mp.optimizers import state_precision
+from keras_mp.optimizers.building import BuildMixin
 from keras_mp.optimizers.checkpointing import CheckpointMixin
 from keras_mp.optimizers.delegation import DelegationMixin
-from keras_mp.optimizers.overwrite_with_gradient import overwrites_with_gradient
 from keras_mp.optimizers.overwrite_with_gradient import split_overwritten
 from keras_mp.optimizers.state_precision import StatePrecisionMixin
 
@@ -42,6 +41,7 @@ GradsAndVars = list[tuple[Any, Any]]
 
 @keras.saving.register_keras_serializable(package="keras_mp")
 class OptimizerWrapper(
+    BuildMixin,
     DelegationMixin,
     CheckpointMixin,
     StatePrecisionMixin,
@@ -204,18 +204,6 @@ class OptimizerWrapper(
         """The `keras_mp.transforms.Chain` run by `transform_gradients`."""
         return self._transforms
 
-    @property
-    def variables(self) -> list[keras.Variable]:
-        return self._inner_optimizer.variables + self._own_variables()
-
-    def _own_variables(self):
-        """Variables this wrapper adds (not the inner optimizer's)."""
-        return (
-            self._variables[self._unused_base_variables :]
-            + self._transforms.variables
-            + self._state_precision_variables
-        )
-
     def _wrapper_variables(self):
         inner = self._inner_optimizer
         below = inner._wrapper_variables() if _is_wrapper(inner) else []
@@ -229,35 +217,6 @@ class OptimizerWrapper(
         self._inner_optimizer.finalize_variable_values(var_list)
 
     # ---------------------------------------------------------------- build
-    @_keras_internals.no_automatic_dependency_tracking
-    def build(self, var_list: list[keras.Variable]) -> None:
-        var_list = list(var_list)
-        if self.built or not var_list:
-            # Nothing to build for no variables: Keras's legacy `.h5` loader
-            # calls `build(model._trainable_variables)`, empty for models
-            # whose weights live in their layers; built then, the optimizer
-            # would have no slots for the real variables.
-            return
-        collectives.use_distinct_collective_keys()
-        inner_var_list = self._build_state_precision(var_list)
-        if not self._inner_optimizer.built:
-            self._inner_optimizer.build(inner_var_list)
-        self._trainable_variables = var_list[:]
-        self._trainable_variables_indices = {
-            self._var_key(v): i for i, v in enumerate(var_list)
-        }
-        with keras.name_scope(self.name, caller=self):
-            self.build_wrapper(var_list)
-            self._transforms.optimizer = self
-            # Transforms never see the overwriting variables (see
-            # `split_overwritten`), so they keep no state for them.
-            self._transforms.build(
-                [v for v in var_list if not overwrites_with_gradient(v)]
-            )
-        self.built = True
-        if self.__dict__.get("_pending_restore"):
-            self._commit_restore(deferred=True)
-
     def build_wrapper(self, var_list: list[keras.Variable]) -> None:
         """Creates the wrapper's own variables with `self.add_variable`.
 

@@ -19,7 +19,7 @@ import numpy as np
 from keras import ops
 
 from keras_mp import _random_bits
-from keras_mp._fp8.recipe import check_choice
+from keras_mp._fp8.recipe_fields import check_choice
 from keras_mp._keras_internals import constant
 from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.backend.torch import ops as torch_ops

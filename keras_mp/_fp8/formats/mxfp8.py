@@ -22,7 +22,7 @@ from keras import ops
 
 from keras_mp._fp8.formats.e4m3_e5m2 import check_float
 from keras_mp._fp8.formats.e4m3_e5m2 import encode
-from keras_mp._fp8.recipe import check_choice
+from keras_mp._fp8.recipe_fields import check_choice
 
 BLOCK = 32
 SCALE_ROUNDINGS = ("rceil", "floor")

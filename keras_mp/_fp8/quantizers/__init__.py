@@ -3,7 +3,7 @@ scale granularity, one file each (`base.py` says what a quantizer is);
 `register` plugs in one defined outside keras_mp.
 """
 
-from keras_mp._fp8 import recipe as recipe_module
+from keras_mp._fp8 import recipe_fields
 from keras_mp._fp8.quantizers.base import Call
 from keras_mp._fp8.quantizers.base import Dtypes
 from keras_mp._fp8.quantizers.base import Quantizer
@@ -64,7 +64,7 @@ def register(quantizer):
             "`Quantizer` and pass an instance of it."
         )
     name = quantizer.name
-    builtin = recipe_module.GRANULARITIES + ("microblock", "nvfp4")
+    builtin = recipe_fields.GRANULARITIES + ("microblock", "nvfp4")
     if not isinstance(name, str) or not name or name in builtin:
         raise ValueError(
             "A plugged-in quantizer's `name` is the granularity a Recipe "
@@ -72,7 +72,7 @@ def register(quantizer):
             f"name={name!r}. Give the Quantizer subclass a new `name`."
         )
     _PLUGGED[name] = quantizer
-    recipe_module.PLUGGED_GRANULARITIES.add(name)
+    recipe_fields.PLUGGED_GRANULARITIES.add(name)
     return quantizer
 
 

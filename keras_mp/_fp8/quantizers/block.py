@@ -14,7 +14,7 @@ from keras_mp._fp8.quantizers.base import Quantizer
 from keras_mp._fp8.quantizers.base import kernel_operand
 from keras_mp._fp8.quantizers.base import operand
 from keras_mp._fp8.quantizers.base import pad_rows
-from keras_mp._fp8.recipe import BLOCK_SIZE
+from keras_mp._fp8.recipe_fields import BLOCK_SIZE
 from keras_mp.backend import fp8 as fp8_backend
 
 
