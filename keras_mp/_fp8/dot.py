@@ -159,7 +159,7 @@ def dot(x, kernel, recipe=None, output_dtype=None, stats=None, delayed=None):
 
         def backward(args, upstream):
             # TensorFlow and JAX pass the output gradient alone; PyTorch
-            # passes the inputs, and the output gradient by name.
+            # (`backend/gradients.custom_gradient`) passes it by name.
             if upstream is None:
                 (upstream,) = args
             g = operand(torch_ops.reshape(upstream, (-1, n)))
