@@ -374,11 +374,18 @@ def test_bad_float8_arguments_raise():
 def test_torch_in_place_update_is_bit_identical_to_keras_ops(
     stochastic, monkeypatch
 ):
-    from keras_mp.backend.torch import fused_float8_update
+    from keras_mp.backend.torch import fused_state_update
 
-    # Chunks of 256 elements: the 1000-element slot spans four, the last
+    # Batches of 256 elements: the 1000-element slot spans four, the last
     # one with a short block; the 3-element slot is one short block.
-    monkeypatch.setattr(fused_float8_update, "_CHUNK_ELEMENTS", 256)
+    monkeypatch.setattr(fused_state_update, "_BATCH_ELEMENTS", 256)
+    ran = []
+    call = fused_state_update.FusedStateUpdate.__call__
+    monkeypatch.setattr(
+        fused_state_update.FusedStateUpdate,
+        "__call__",
+        lambda self, *args: ran.append(call(self, *args)) or ran[-1],
+    )
     rng = np.random.default_rng(3)
     shapes = [(10, 100), (3,), (2, 128)]
     weights = [rng.normal(size=s).astype(np.float32) for s in shapes]
@@ -393,7 +400,7 @@ def test_torch_in_place_update_is_bit_identical_to_keras_ops(
     ]
     results = []
     for fused in (True, False):
-        monkeypatch.setattr(fused_float8_update, "FUSED_TORCH_UPDATES", fused)
+        monkeypatch.setattr(fused_state_update, "FUSED_TORCH_UPDATES", fused)
         keras.utils.set_random_seed(0)
         variables = [keras.Variable(w) for w in weights]
         optimizer = keras_mp.OptimizerWrapper(
@@ -409,6 +416,7 @@ def test_torch_in_place_update_is_bit_identical_to_keras_ops(
             [to_numpy(v) for v in variables]
             + [to_numpy(v) for v in optimizer.variables]
         )
-    assert optimizer._state_slots.rule._fused is not None
+    # Three fused steps, then three the fused update declined.
+    assert ran == [True] * 3 + [False] * 3
     for got, want in zip(*results):
         assert_bitwise_equal(got, want)

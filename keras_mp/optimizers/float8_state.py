@@ -13,16 +13,14 @@ The second moment is stored as its square root (COAT's dynamic range
 transform `x -> |x|**k` with a fixed `k = 1/2`): `v` spans the square of
 the gradients' range, `sqrt(v)` the same range as the first moment, so in
 a block where `m` is representable `sqrt(v)` is too and `m / sqrt(v)`
-never meets a `v` flushed to zero. On PyTorch the same update runs in
-place, bit for bit (`backend/torch/fused_float8_update.py`);
+never meets a `v` flushed to zero. On PyTorch the same update of Adam
+and AdamW without amsgrad runs in place, bit for bit, in the fused update
+of every state dtype (`backend/torch/fused_state_update.py`);
 `keras_mp.testing.float8_state_reference` is its NumPy oracle.
 """
 
 import keras
 from keras import ops
-
-from keras_mp._fp8.formats import e4m3_e5m2 as fp8_codes
-from keras_mp.backend.torch import fused_float8_update
 
 # Slots of `keras.optimizers.Adam`/`AdamW` the codes hold, and whether the
 # slot is a second moment: stored as its square root, and stochastically
@@ -65,9 +63,6 @@ class Float8Adam:
             )
         self._optimizer = optimizer
         self._slots = slots
-        # PyTorch: the same update in place, chunk by chunk (created at the
-        # first step).
-        self._fused = None
 
     def check_slot(self, name, initializer):
         """Refuses a slot this update does not hold, before it is made."""
@@ -115,12 +110,6 @@ class Float8Adam:
         # (and the NumPy oracle) multiplies and adds the same float32 values.
         one_minus_beta_1 = ops.cast(1 - optimizer.beta_1, dtype)
         one_minus_beta_2 = ops.cast(1 - optimizer.beta_2, dtype)
-        if self._update_in_place(
-            gradient,
-            variable,
-            (alpha, one_minus_beta_1, one_minus_beta_2),
-        ):
-            return
         m = self._read(variable, "momentum")
         v = self._read(variable, "velocity")
         m = ops.add(
@@ -145,26 +134,6 @@ class Float8Adam:
             ops.add(root, ops.cast(optimizer.epsilon, dtype)),
         )
         optimizer.assign_sub(variable, ops.cast(update, variable.dtype))
-
-    def _update_in_place(self, gradient, variable, coefficients):
-        """PyTorch: the update of `update_step` in place, bit for bit
-        (`backend/torch/fused_float8_update.py`); returns whether it ran."""
-        optimizer = self._optimizer
-        if keras.backend.backend() != "torch" or optimizer.amsgrad:
-            return False
-        if self._fused is None:
-            self._fused = fused_float8_update.FusedFloat8Update(
-                fp8_codes.scale_from_amax, fp8_codes.E4M3_VALUES
-            )
-        names = self._slots.slots_of(variable)
-        slots = (names["momentum"], names["velocity"])
-        if not self._fused.applies(gradient, variable, slots):
-            return False
-        # The draw `_store` makes for the second moment.
-        seed = self._slots.next_seed()
-        epsilon = ops.cast(optimizer.epsilon, "float32")
-        self._fused(gradient, variable, slots, (*coefficients, epsilon), seed)
-        return True
 
 
 def is_second_moment(path):

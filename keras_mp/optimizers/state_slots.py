@@ -29,7 +29,9 @@ import keras
 from keras import ops
 
 from keras_mp import _keras_internals
+from keras_mp._fp8.formats import e4m3_e5m2
 from keras_mp.backend import optimizer_state
+from keras_mp.backend.torch import float8_codes
 from keras_mp.backend.torch import fused_state_update
 from keras_mp.optimizers import float8_state
 from keras_mp.optimizers.master_weights import HALF_DTYPES
@@ -106,39 +108,52 @@ class StateSlots:
         """Sets the hooks on the optimizer instance (see the module)."""
         base = self._optimizer
         self._hook_slot_creation()
-        if self.rule is not None:
-            self._hook_update_step(self.rule)
-            optimizer_state.route_updates_through_update_step(base)
-            optimizer_state.compile_update_with_xla(base)
-            return
-        if self.format.name not in HALF_DTYPES:
+        if self.rule is None and self.format.name not in HALF_DTYPES:
             # float32 slots store the float32 result as it is. Torch's bulk
             # updates could not store into slots of another dtype than the
             # variable's.
             optimizer_state.route_updates_through_update_step(base)
             return
-        update_step = self._hook_update_step(None)
-        self._hook_stores()
+        update_step = self._hook_update_step(self.rule)
+        if self.rule is None:
+            self._hook_stores()
         # Torch's bulk updates could not store into slots of another dtype
         # than the variable's, nor round them: the update goes through
         # `update_step` and the stores, or on PyTorch, for Keras's Adam,
-        # AdamW, SGD and RMSprop, through the same update fused into a few
-        # in-place calls per batch of elements.
+        # AdamW, SGD and RMSprop (float8: Adam and AdamW), through the same
+        # update fused into a few in-place calls per batch of elements.
         optimizer_state.route_updates_through_update_step(
             base,
-            fused_state_update.FusedStateUpdate(
-                base,
-                self.format.name,
-                self.format.stochastic_rounding,
-                seed_generator=self._seed_generator,
-                update_step=update_step,
-            )
+            self._fused_update(update_step)
             if keras.backend.backend() == "torch"
             else None,
         )
         # Without XLA, TensorFlow runs each cast of a slot (read upcast,
         # store rounded) as a kernel pass of its own.
         optimizer_state.compile_update_with_xla(base)
+
+    def _fused_update(self, update_step):
+        """PyTorch's fused update of these slots (`FusedStateUpdate`)."""
+        float8 = self.format.name == "float8"
+        return fused_state_update.FusedStateUpdate(
+            self._optimizer,
+            self.format.name,
+            self.format.stochastic_rounding,
+            seed_generator=self._seed_generator,
+            update_step=update_step,
+            float8_codes=(
+                float8_codes.Float8Codes(
+                    e4m3_e5m2.scale_from_amax, e4m3_e5m2.E4M3_VALUES
+                )
+                if float8
+                else None
+            ),
+            scales_of=(
+                (lambda slot: (self.stored(slot) or [None, None])[1])
+                if float8
+                else None
+            ),
+        )
 
     def _hook_slot_creation(self):
         """Makes the optimizer create its state slots in the format: every

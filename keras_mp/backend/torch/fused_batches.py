@@ -4,21 +4,25 @@
 scratch buffers (a large variable into segments, small ones sharing a
 batch); `Batch` holds one batch's views of those buffers;
 `hash32_in_place` is the counter hash of stochastic rounding on int32
-tensors, in place (also `fused_float8_update.py`'s). torch is imported
+tensors, in place (also `float8_codes.py`'s). torch is imported
 inside the functions, as the module loads on every backend.
 """
 
 
-def hash32_in_place(x, temporary):
+def hash32_in_place(x, temporary, low_bits_only=False):
     """`keras_mp._random_bits.hash32` of int32 `x`, in place (its logical
     right shifts made by masking), with an int32 scratch `temporary` of
-    `x`'s shape. The stochastic rounding of both fused updates (16-bit
-    state here, float8 state in `fused_float8_update.py`) hashes with it."""
+    `x`'s shape. The stochastic rounding of both fused updates hashes with
+    it: float8 state (`float8_codes.py`) keeps 24 of its bits, 16-bit state
+    only the low 16, and passes `low_bits_only` to skip the last mask (the
+    last shift then an arithmetic one, which differs in the high bits only:
+    one operation less a batch)."""
     import torch
 
     for shift, multiplier in ((16, 0x7FEB352D), (15, -2073254261), (16, None)):
         torch.bitwise_right_shift(x, shift, out=temporary)
-        temporary.bitwise_and_((1 << (32 - shift)) - 1)
+        if multiplier is not None or not low_bits_only:
+            temporary.bitwise_and_((1 << (32 - shift)) - 1)
         x.bitwise_xor_(temporary)
         if multiplier is not None:
             x.mul_(multiplier)
@@ -27,9 +31,11 @@ def hash32_in_place(x, temporary):
 class Layout:
     """How the variables of one update split into batches of the scratch
     buffers: a variable larger than a batch is cut into segments, and
-    consecutive small variables share one batch."""
+    consecutive small variables share one batch unless `shared` is False
+    (float8 state: each batch then holds one segment, whose blocks of 128
+    are whole where `batch_elements` is a multiple of 128)."""
 
-    def __init__(self, sizes, batch_elements, device=None):
+    def __init__(self, sizes, batch_elements, device=None, shared=True):
         import torch
 
         self.device = device
@@ -38,6 +44,9 @@ class Layout:
         segment_variables, segment_shifts = [], []
         current, used = [], 0
         for index, size in enumerate(sizes):
+            if used and not shared:
+                self.batches.append(current)
+                current, used = [], 0
             start = 0
             while start < size:
                 if used == batch_elements:

@@ -11,6 +11,7 @@ from keras import ops
 
 from keras_mp import _keras_internals
 from keras_mp import _random_bits
+from keras_mp.backend.torch import float8_codes
 from keras_mp.backend.torch import fused_batches
 
 # Whether the fused PyTorch update below may run (tests turn it off to
@@ -90,6 +91,8 @@ class FusedStateUpdate:
         stochastic_rounding,
         seed_generator,
         update_step,
+        float8_codes=None,
+        scales_of=None,
     ):
         import torch
 
@@ -97,7 +100,11 @@ class FusedStateUpdate:
         self._state_dtype = {
             "bfloat16": torch.bfloat16,
             "float16": torch.float16,
+            "float8": torch.uint8,
         }[state_dtype]
+        # float8 state: the codec, and each codes slot's scales variable.
+        self._float8 = float8_codes
+        self._scales_of = scales_of
         self._stochastic_rounding = stochastic_rounding
         self._seed_generator = seed_generator
         self._update_step = update_step
@@ -117,6 +124,12 @@ class FusedStateUpdate:
         if state is None:
             return False
         kind, slot_lists, variable_index = state
+        if self._float8 is not None and (
+            kind != "adam" or len(slot_lists) != 2
+        ):
+            # float8 state holds Adam's moments; with amsgrad the update
+            # runs per variable (`float8_state.Float8Adam`).
+            return False
         with _keras_internals.without_autocast():
             tensors = [variable.value for variable in variables]
             slots = []
@@ -125,6 +138,20 @@ class FusedStateUpdate:
                 variable_slots = [slot_list[index] for slot_list in slot_lists]
                 if any(slot is None for slot in variable_slots):
                     return False
+                if self._float8 is not None:
+                    # Each slot as its codes and their block scales.
+                    scales = [self._scales_of(slot) for slot in variable_slots]
+                    if any(
+                        s is None or not s.value.is_contiguous() for s in scales
+                    ):
+                        return False
+                    slots.append(
+                        [
+                            (slot.value, s.value)
+                            for slot, s in zip(variable_slots, scales)
+                        ]
+                    )
+                    continue
                 slots.append([slot.value for slot in variable_slots])
         device = tensors[0].device if tensors else None
         for tensor, variable_slots in zip(tensors, slots):
@@ -135,6 +162,8 @@ class FusedStateUpdate:
             ):
                 return False
             for slot in variable_slots:
+                if self._float8 is not None:
+                    slot = slot[0]
                 if (
                     slot.dtype != self._state_dtype
                     or slot.shape != tensor.shape
@@ -157,9 +186,19 @@ class FusedStateUpdate:
             "sgd": self._sgd,
             "rmsprop": self._rmsprop,
         }[kind](learning_rate)
-        keys = self._keys(layout, len(slot_lists))
+        # float8 state: one stochastically rounded store per variable, the
+        # second moment's (`float8_state.Float8Adam._store`).
+        keys = self._keys(
+            layout, 1 if self._float8 is not None else len(slot_lists)
+        )
         flat_tensors = [tensor.view(-1) for tensor in tensors]
-        flat_slots = [[slot.view(-1) for slot in s] for s in slots]
+        if self._float8 is None:
+            flat_slots = [[slot.view(-1) for slot in s] for s in slots]
+        else:
+            flat_slots = [
+                [_Float8Slot(codes.view(-1), scales) for codes, scales in s]
+                for s in slots
+            ]
         for batch in layout.batches:
             segments = batch.segments
             grad_views = [flat_grads[i][a:b] for i, a, b in segments]
@@ -181,7 +220,13 @@ class FusedStateUpdate:
         key = (tuple(sizes), device)
         layout = self._layouts.get(key)
         if layout is None:
-            layout = fused_batches.Layout(sizes, batch_elements(device), device)
+            elements = batch_elements(device)
+            if self._float8 is not None:
+                # One variable a batch, in whole blocks of 128.
+                elements = max(BLOCK, elements // BLOCK * BLOCK)
+            layout = fused_batches.Layout(
+                sizes, elements, device, shared=self._float8 is None
+            )
             self._ensure_buffers(layout.largest_batch, device)
             layout.bind(self._buffers[device])
             self._layouts[key] = layout
@@ -197,9 +242,11 @@ class FusedStateUpdate:
         # the layouts on this device are rebound.
         self._buffers[device] = buffers = {
             "size": size,
+            # x, y, z, w; float8 state adds four, viewed as int32 (the
+            # scratch of its decode and encode).
             "float": [
                 torch.empty(size, dtype=torch.float32, device=device)
-                for _ in "xyzw"
+                for _ in range(4 if self._float8 is None else 8)
             ],
             "index": torch.arange(size, dtype=torch.int32, device=device),
         }
@@ -241,7 +288,20 @@ class FusedStateUpdate:
         )
         return [column.unbind() for column in per_segment.t()]
 
-    # --------------------------------------------------------- rounding
+    # ---------------------------------------------------- load and store
+    def _load(self, batch, out, slot_views, square=False):
+        """The slots' float32 values into `out`: upcast, or for float8
+        decoded (`square`: the codes hold a square root)."""
+        import torch
+
+        if self._float8 is None:
+            torch._foreach_copy_(batch.views(out), slot_views)
+            return
+        codes, scales = slot_views[0]
+        self._float8.decode(codes, scales, out, batch.ints(batch.buffers[4]))
+        if square:
+            out.mul_(out)
+
     def _store(self, batch, source, result, scratch, slot_views, keys):
         """Stores float32 `source` in the slots, rounded, and leaves in
         `result` the rounded value upcast (what `update_step` reads back).
@@ -255,6 +315,22 @@ class FusedStateUpdate:
         """
         import torch
 
+        if self._float8 is not None:
+            # float8: `result` is `source` itself (Adam's update reads the
+            # float32 moments, not their codes); one segment a batch.
+            result.copy_(source)
+            codes, scales = slot_views[0]
+            ints = [batch.ints(buffer) for buffer in batch.buffers[4:]]
+            self._float8.encode(
+                source,
+                codes,
+                scales,
+                scratch,
+                ints,
+                batch.index,
+                None if keys is None else keys[0],
+            )
+            return
         if keys is None:
             torch._foreach_copy_(slot_views, batch.views(source))
             torch._foreach_copy_(batch.views(result), slot_views)
@@ -264,7 +340,7 @@ class FusedStateUpdate:
         temporary = batch.ints(scratch)
         noise.copy_(batch.index)
         torch._foreach_add_(batch.int_views(result), keys)
-        fused_batches.hash32_in_place(noise, temporary)
+        fused_batches.hash32_in_place(noise, temporary, low_bits_only=True)
         noise.bitwise_and_(0xFFFF)
         noise.add_(bits)
         bits.bitwise_and_(0x7FFFFFFF)
@@ -291,25 +367,34 @@ class FusedStateUpdate:
         epsilon = optimizer.epsilon
         amsgrad = optimizer.amsgrad
 
+        float8 = self._float8 is not None
+
         def run(batch, grads, variable_views, slot_views, keys):
-            x, y, z, w = batch.buffers
+            x, y, z, w = batch.buffers[:4]
             m, v = slot_views[0], slot_views[1]
             key = (lambda k: None) if keys is None else keys.__getitem__
             # m += (g - m) * (1 - beta_1)
-            torch._foreach_copy_(batch.views(x), m)
+            self._load(batch, x, m)
             torch._foreach_copy_(batch.views(y), grads)
             y.sub_(x)
             y.mul_(one_minus_beta_1)
             x.add_(y)
-            self._store(batch, x, z, w, m, key(0))
+            # float8 rounds the first moment to nearest; its one key per
+            # variable is the second moment's.
+            self._store(batch, x, z, w, m, None if float8 else key(0))
             # v += (g * g - v) * (1 - beta_2)
-            torch._foreach_copy_(batch.views(x), v)
+            self._load(batch, x, v, square=True)
             torch._foreach_copy_(batch.views(y), grads)
             y.mul_(y)
             y.sub_(x)
             y.mul_(one_minus_beta_2)
             x.add_(y)
-            self._store(batch, x, w, y, v, key(1))
+            if float8:
+                # The codes hold sqrt(v), which the update divides by.
+                x.sqrt_()
+                self._store(batch, x, w, y, v, key(0))
+            else:
+                self._store(batch, x, w, y, v, key(1))
             if amsgrad:
                 # v_hat = maximum(v_hat, v); v = v_hat
                 torch._foreach_copy_(batch.views(x), slot_views[2])
@@ -320,7 +405,8 @@ class FusedStateUpdate:
                 self._store(batch, x, w, y, slot_views[2], key(2))
             # variable -= m * alpha / (sqrt(v) + epsilon)
             z.mul_(alpha)
-            w.sqrt_()
+            if not float8:
+                w.sqrt_()
             w.add_(epsilon)
             z.div_(w)
             torch._foreach_sub_(variable_views, batch.views(z))
@@ -338,7 +424,7 @@ class FusedStateUpdate:
         nesterov = optimizer.nesterov
 
         def run(batch, grads, variable_views, slot_views, keys):
-            x, y, z, w = batch.buffers
+            x, y, z, w = batch.buffers[:4]
             torch._foreach_copy_(batch.views(y), grads)
             y.mul_(lr)
             if not with_momentum:
@@ -374,7 +460,7 @@ class FusedStateUpdate:
         momentum = optimizer.momentum
 
         def run(batch, grads, variable_views, slot_views, keys):
-            x, y, z, w = batch.buffers
+            x, y, z, w = batch.buffers[:4]
             key = (lambda k: None) if keys is None else keys.__getitem__
             # velocity = rho * velocity + (1 - rho) * g * g
             torch._foreach_copy_(batch.views(x), slot_views[0])
@@ -414,3 +500,20 @@ class FusedStateUpdate:
             torch._foreach_sub_(variable_views, batch.views(y))
 
         return run
+
+
+# Elements per block scale of float8 state.
+BLOCK = float8_codes.BLOCK_SIZE
+
+
+class _Float8Slot:
+    """A float8 slot's flat codes and its block scales, sliced together (a
+    slice starts on a block: one variable a batch, in whole blocks)."""
+
+    def __init__(self, codes, scales):
+        self._codes = codes
+        self._scales = scales
+
+    def __getitem__(self, part):
+        blocks = slice(part.start // BLOCK, -(-part.stop // BLOCK))
+        return self._codes[part], self._scales[blocks]
