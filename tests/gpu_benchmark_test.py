@@ -74,6 +74,7 @@ def test_smoke_runs_every_section_and_writes_the_table(tmp_path):
         assert row["steps"] == 2, row
         assert row["item"] in table
     assert rows[0]["fp8_layers"] == 0
+    assert all(math.isfinite(row["loss_gap"]) for row in rows[1:]), rows
     assert rows[1]["fp8_layers"] == rows[2]["fp8_layers"] > 0
     # No FP8 tensor cores here: each FP8 row says its GEMMs are emulated.
     assert "emulated: no MXFP8 tensor cores" in rows[2]["note"], rows[2]

@@ -50,9 +50,10 @@ script cannot rot between GPU runs. Sections:
   same float32 weights on the same batches: `benchmarks/convergence.py`'s
   data (the standard library's bytes), model (keras-hub's `GPT2Backbone`),
   optimizer and variants, imported. One row per variant: the last step's
-  training loss, tokens per second (the median step after two warm-up
-  steps), the first step's seconds, and where `keras_mp.fp8.is_available`
-  says the recipe's GEMMs run emulated (MXFP8 on Hopper), why.
+  training loss (and its gap to mixed_bfloat16's), tokens per second (the
+  median step after two warm-up steps), the first step's seconds, and
+  where `keras_mp.fp8.is_available` says the recipe's GEMMs run emulated
+  (MXFP8 on Hopper), why.
 
 Each section has a share of `--budget` seconds (what a section leaves
 unused passes on) and checks it between measurements: a section out of
@@ -1389,9 +1390,12 @@ def section_gpt2(clock, smoke):
             )
             continue
         result = results[name]
-        ratios = {}
+        ratios, gap = {}, {}
         if baseline is not None and result is not baseline:
             ratios[name] = baseline["ms"] / result["ms"]
+            # The table shows 3 digits of a loss: the gap, paired (same
+            # weights, same batches), is what the variants differ by.
+            gap["loss_gap"] = round(result["loss"] - baseline["loss"], 4)
         rows += rows_of(
             "h",
             item,
@@ -1399,6 +1403,7 @@ def section_gpt2(clock, smoke):
             ratios,
             _joined(result["note"], emulated),
             loss=round(result["loss"], 4),
+            **gap,
             first_loss=round(result["first_loss"], 4),
             tokens_per_s=round(seq * batch / result["ms"] * 1e3),
             steps=result["steps"],
