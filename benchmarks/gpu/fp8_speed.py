@@ -43,6 +43,17 @@ script cannot rot between GPU runs. Sections:
   peak and, on JAX, the compiled step's own peak (XLA's
   `memory_analysis()`: its temporaries included, the process's earlier
   peaks not).
+- (h) `gpt2`: a GPT-2-small-shaped model (12 layers, 12 heads, d=768) on
+  bytes (vocabulary 256: about 85M parameters, GPT-2's 124M less its
+  50257-token embedding), sequence 512, batch 16, trained for a fixed 30
+  steps under mixed_bfloat16, FP8 current tensorwise and MXFP8, from the
+  same float32 weights on the same batches: `benchmarks/convergence.py`'s
+  data (the standard library's bytes), model (keras-hub's `GPT2Backbone`),
+  optimizer and variants, imported. One row per variant: the last step's
+  training loss (and its gap to mixed_bfloat16's), tokens per second (the
+  median step after two warm-up steps), the first step's seconds, and
+  where `keras_mp.fp8.is_available` says the recipe's GEMMs run emulated
+  (MXFP8 on Hopper), why.
 
 Each section has a share of `--budget` seconds (what a section leaves
 unused passes on) and checks it between measurements: a section out of
@@ -86,6 +97,9 @@ SIZES = {
     # d, heads, layers, sequence, batch, vocabulary
     "decoder": ((4096, 32, 4, 2048, 8, 8192), (32, 2, 1, 16, 2, 64)),
     "policies": ((1024, 8, 2, 2048, 8, 8192), (32, 2, 1, 16, 2, 64)),
+    # layers, heads, d, sequence, batch: GPT-2 small's shape on bytes
+    # (the smoke's d=64 keeps MXFP8's blocks of 32 whole)
+    "gpt2": ((12, 12, 768, 512, 16), (1, 2, 64, 16, 2)),
 }
 # Share of the budget per section.
 WEIGHTS = {
@@ -97,17 +111,43 @@ WEIGHTS = {
     "hlo": 15,
     # On JAX each state also compiles its step once more for its peak.
     "state": 35,
+    # 60 of 300: 38 s of torch's 190 and 60 s of JAX's 300 where every
+    # section before it uses its whole share, and it runs last, so it also
+    # gets what they leave (in the H200's run 5, about 100 s on each
+    # backend). Sized by estimate, not yet measured: 30 steps of 8192
+    # tokens at about 0.57 GFLOP a token (6 x 85M parameters, and
+    # attention's 12 x layers x d x sequence) are 140 TFLOP a variant:
+    # under 1 s at a bf16 rate of 300 TFLOP/s, a third of the H200's dense
+    # peak, and seconds for MXFP8 emulated; the time goes to building the
+    # models and, on JAX, compiling three 12-layer steps, estimated at 10
+    # to 30 s each from the d=4096 4-layer decoders' 10 s.
+    "gpt2": 60,
 }
 SECTIONS = tuple(WEIGHTS)
-LETTERS = dict(zip("abcdefg", SECTIONS))
+LETTERS = dict(zip("abcdefgh", SECTIONS))
 # The order they run in: the HLO audit (one compilation) before the
-# decoders, whose compilations on JAX can use up what is left.
-ORDER = ("gemm", "quantize", "dot", "hlo", "decoder", "policies", "state")
+# decoders, whose compilations on JAX can use up what is left; GPT-2 last,
+# with its share and whatever the others left.
+ORDER = (
+    "gemm",
+    "quantize",
+    "dot",
+    "hlo",
+    "decoder",
+    "policies",
+    "state",
+    "gpt2",
+)
 # Rounds of each measurement (full run / --smoke) and calls per round.
 ROUNDS = (7, 2)
 CALLS = (10, 1)
 STEPS = (5, 1)  # timed decoder steps per variant
 WARMUP = (2, 1)
+# GPT-2's training steps per variant (the warm-up's included: the loss is
+# the last step's), and the seconds a first variant is expected to need
+# (build and compile): a section with less is skipped rather than started.
+GPT2_STEPS = (30, 2)
+GPT2_FIRST_VARIANT_S = (30.0, 0.0)
 
 
 class OutOfTime(Exception):
@@ -120,8 +160,9 @@ class Clock:
     def __init__(self, seconds):
         self.deadline = time.monotonic() + seconds
 
-    def check(self, what=""):
-        if time.monotonic() > self.deadline:
+    def check(self, what="", need=0.0):
+        """Raises `OutOfTime(what)` unless `need` seconds are left."""
+        if time.monotonic() + need > self.deadline:
             raise OutOfTime(what)
 
 
@@ -145,7 +186,7 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--sections",
-        default="abcdefg",
+        default="abcdefgh",
         help="letters of the sections to run (default all)",
     )
     parser.add_argument(
@@ -1222,6 +1263,156 @@ def section_hlo(clock, smoke):
     )
 
 
+# -------------------------------------------------------------- (h) GPT-2
+
+# `benchmarks/convergence.py`'s variants that section (h) trains, the
+# baseline of its ratios first.
+GPT2_VARIANTS = ("mixed_bfloat16", "fp8_tensorwise", "mxfp8")
+GPT2_LEARNING_RATE = 6e-4  # GPT-2 small's
+
+
+@functools.cache
+def convergence():
+    """`benchmarks/convergence.py` as a module (it imports keras_mp: only
+    after Keras alone's timings)."""
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "convergence.py"
+    spec = importlib.util.spec_from_file_location("convergence", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def emulation_note(name):
+    """Why convergence.py's variant `name` runs its GEMMs emulated here
+    (`keras_mp.fp8.is_available`: MXFP8 on Hopper, every FP8 recipe on a
+    CPU), or "" where it runs on FP8 tensor cores or has no recipe."""
+    import keras_mp
+
+    fields = convergence().VARIANTS[name].get("recipe")
+    if fields is None:
+        return ""
+    available, reason = keras_mp.fp8.is_available(
+        keras_mp.fp8.Recipe(**fields), return_reason=True
+    )
+    return "" if available else f"GEMMs emulated: {reason}"
+
+
+def train_gpt2(model, batches, clock, smoke):
+    """`model` trained on `batches`, one `train_on_batch` each: the first
+    and last steps' losses, the median ms of the steps after the warm-up,
+    the first step's seconds (tracing and compiling) and the steps run.
+    Out of time after two timed steps, it stops early and says so."""
+    losses, seconds = [], []
+    for x, y in batches:
+        start = time.perf_counter()
+        logs = model.train_on_batch(x, y, return_dict=True)
+        losses.append(float(logs["loss"]))
+        seconds.append(time.perf_counter() - start)
+        timed = len(seconds) - WARMUP[smoke]
+        if timed >= 2 and time.monotonic() > clock.deadline:
+            break
+    note = ""
+    if len(seconds) < len(batches):
+        note = f"out of time after {len(seconds)} of {len(batches)} steps"
+    return {
+        "first_loss": losses[0],
+        "loss": losses[-1],
+        "ms": statistics.median(seconds[WARMUP[smoke] :]) * 1e3,
+        "first_step_s": seconds[0],
+        "steps": len(seconds),
+        "note": note,
+    }
+
+
+def section_gpt2(clock, smoke):
+    """GPT-2 small's shape on bytes (`SIZES["gpt2"]`), `GPT2_STEPS` steps
+    per variant of `GPT2_VARIANTS` from the same float32 weights on the
+    same batches: convergence.py's data, model, optimizer and variants.
+    A variant starts only with as many seconds left as the one before it
+    took (the first: `GPT2_FIRST_VARIANT_S`)."""
+    import argparse
+
+    import numpy as np
+
+    layers, heads, d, seq, batch = SIZES["gpt2"][smoke]
+    steps = GPT2_STEPS[smoke]
+    first = GPT2_FIRST_VARIANT_S[smoke]
+    clock.check(f"start: a variant needs about {first:.0f} s", first)
+    module = convergence()
+    args = argparse.Namespace(
+        layers=layers,
+        heads=heads,
+        dim=d,
+        seq_len=seq,
+        steps=steps,
+        learning_rate=GPT2_LEARNING_RATE,
+    )
+    data, summary = module.load_data()
+    print(f"[gpt2] {summary}", flush=True)
+    train = data["train"]
+    starts = np.random.default_rng([49, 0]).integers(
+        0, train.size - seq - 1, size=(steps, batch)
+    )
+    batches = []
+    for row in starts:
+        x, y = module.windows(train, row, seq)
+        batches.append((module.as_inputs(x), y))
+    weights = module.initial_weights(args, 0)
+    results, started = {}, {}
+
+    def build(name):
+        took = [result["seconds"] for result in results.values()]
+        need = took[-1] if took else first
+        clock.check(f"{name} needs about {need:.0f} s", need)
+        started[name] = time.monotonic()
+        return module.build_variant(name, args, weights)
+
+    def measure(name, model):
+        result = train_gpt2(model, batches, clock, smoke)
+        result["fp8_layers"] = module.count_quantized_gemms(model)
+        result["seconds"] = time.monotonic() - started[name]
+        results[name] = result
+
+    note = each_variant(GPT2_VARIANTS, clock, smoke, build, measure)
+    baseline = results.get(GPT2_VARIANTS[0])
+    rows = []
+    for name in GPT2_VARIANTS:
+        item = (
+            f"GPT-2 on bytes L={layers} H={heads} d={d} T={seq}x{batch}, "
+            f"{steps} steps: {name}"
+        )
+        emulated = emulation_note(name)
+        if name not in results:
+            rows += rows_of(
+                "h", item, {}, {}, _joined(f"not run: {note}", emulated)
+            )
+            continue
+        result = results[name]
+        ratios, gap = {}, {}
+        if baseline is not None and result is not baseline:
+            ratios[name] = baseline["ms"] / result["ms"]
+            # The table shows 3 digits of a loss: the gap, paired (same
+            # weights, same batches), is what the variants differ by.
+            gap["loss_gap"] = round(result["loss"] - baseline["loss"], 4)
+        rows += rows_of(
+            "h",
+            item,
+            {name: result["ms"]},
+            ratios,
+            _joined(result["note"], emulated),
+            loss=round(result["loss"], 4),
+            **gap,
+            first_loss=round(result["first_loss"], 4),
+            tokens_per_s=round(seq * batch / result["ms"] * 1e3),
+            steps=result["steps"],
+            first_step_s=round(result["first_step_s"], 1),
+            fp8_layers=result["fp8_layers"],
+        )
+    return rows
+
+
 # ------------------------------------------------------------------ main
 
 RUNNERS = {
@@ -1231,6 +1422,7 @@ RUNNERS = {
     "decoder": section_decoder,
     "hlo": section_hlo,
     "state": section_state,
+    "gpt2": section_gpt2,
 }
 
 
