@@ -6,9 +6,8 @@ per tensor, row or tile need FP8 tensor cores (NVIDIA compute capability
 8.9: Ada, Hopper, Blackwell); MXFP8's and NVFP4's block scales need
 Blackwell's (10.0). keras_mp computes every recipe everywhere, bit for bit
 the same: where the tensor cores are missing its GEMMs are emulated, on
-16- or 32-bit units (or, for the block formats on Ada and Hopper, on FP8
-tensor cores with the block scales applied apart), exact and slower than
-bfloat16.
+16- or 32-bit units (MXFP8 and NVFP4 on Ada and Hopper too: their
+operands dequantized, then multiplied), exact and slower than bfloat16.
 """
 
 from __future__ import annotations

@@ -230,9 +230,9 @@ def block_scaled_unsupported_reason(details, format_name):
     return (
         f"no {format_name} tensor cores on {_describe(details)} (they need "
         "an NVIDIA GPU of compute capability 10.0 or higher: Blackwell); "
-        f"elsewhere keras_mp computes {format_name} GEMMs emulated, on FP8 "
-        "tensor cores with the block scales applied apart (Ada, Hopper) or "
-        "on 16- or 32-bit units, bit for bit the same and slower"
+        f"elsewhere keras_mp computes {format_name} GEMMs emulated: the "
+        "operands dequantized (exactly) and multiplied on 16- or 32-bit "
+        "units, bit for bit the same and slower"
     )
 
 
