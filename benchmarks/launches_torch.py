@@ -12,7 +12,9 @@ The model is issue 46's: a keras-hub `GPT2CausalLM` of 2 layers, width 256
 mixed_bfloat16 with Keras's Adam. Printed per variant: the launches of a
 step, the views, the ratio to the bf16 step's launches, and the launches
 added per FP8 layer (FP8 variants) or per trainable variable (state
-dtypes) over the bf16 step:
+dtypes) over the bf16 step; then the bytes held between steps beyond the
+variables (`keras_mp.testing.held_torch_bytes`) and those one step saves
+for its backward (`saved_activation_bytes`), issue 46 item 5:
 
     KERAS_BACKEND=torch OMP_NUM_THREADS=1 python benchmarks/launches_torch.py
 
@@ -33,6 +35,8 @@ import numpy as np
 
 import keras_mp
 from keras_mp.testing import count_torch_launches
+from keras_mp.testing import held_torch_bytes
+from keras_mp.testing import saved_activation_bytes
 
 VARIANTS = {
     "bf16": (None, None),
@@ -58,6 +62,14 @@ def parse_args(argv=None):
     )
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument(
+        "--gpu-codes",
+        action="store_true",
+        help="FP8 layers keep FP8 codes and multiply them with torch's "
+        "`_scaled_mm`, as on a CUDA device (a CPU's default keeps float32 "
+        "values on the FP8 grid, 4 bytes an element, for its bfloat16 "
+        "matmul)",
+    )
     args = parser.parse_args(argv)
     for name in ("steps", "repeats", "width", "layers"):
         if getattr(args, name) < 1:
@@ -125,7 +137,11 @@ def count(args, fp8, state_dtype):
             f"the steps counted {sorted(launches)} launches: a step should "
             "count the same as the one before it"
         )
-    return counts[0], fp8_layers(model), len(model.trainable_variables)
+    memory = (
+        held_torch_bytes(model, model.optimizer),
+        saved_activation_bytes(model, x, y, model.loss),
+    )
+    return counts[0], fp8_layers(model), len(model.trainable_variables), memory
 
 
 def main(argv=None):
@@ -135,14 +151,25 @@ def main(argv=None):
             "launches_torch.py counts PyTorch's kernel launches; run it "
             "with KERAS_BACKEND=torch"
         )
+    if args.gpu_codes:
+        from keras_mp.backend import fp8 as backend_fp8
+
+        backend_fp8.SCALED_MM_ON_CPU = True
     print(
         f"keras-hub GPT2CausalLM: {args.layers} layers, width {args.width}, "
         f"batch {BATCH}x{SEQUENCE}, mixed_bfloat16, Adam; "
-        f"one train_on_batch after {2 * args.repeats} warm-up steps"
+        f"one train_on_batch after {2 * args.repeats} warm-up steps; "
+        + (
+            "FP8 codes and _scaled_mm (--gpu-codes)"
+            if args.gpu_codes
+            else "a CPU's FP8 path"
+        )
     )
     rows = {}
     for name, (fp8, state_dtype) in VARIANTS.items():
         rows[name] = count(args, fp8, state_dtype)
+    memory = {name: row[3] for name, row in rows.items()}
+    rows = {name: row[:3] for name, row in rows.items()}
     base = rows["bf16"][0].launches
     print(
         f"{'variant':<14}{'launches':>10}{'views':>8}{'triton':>8}"
@@ -160,6 +187,20 @@ def main(argv=None):
             f"{name:<14}{counted.launches:>10}{counted.views:>8}"
             f"{sum(counted.triton.values()):>8}"
             f"  {name.replace(' ', '_')}/bf16 = {counted.launches / base:.3f}   {per}"
+        )
+    print(
+        "\nBytes held between steps beyond the model's and the optimizer's "
+        "variables (Keras's gradients left in `.grad`, keras_mp's caches), "
+        "and saved by one step for its backward:"
+    )
+    print(
+        f"{'variant':<14}{'held':>12}{'vs bf16':>10}{'saved':>12}{'vs bf16':>10}"
+    )
+    held_base, saved_base = memory["bf16"]
+    for name, (held, saved) in memory.items():
+        print(
+            f"{name:<14}{held:>12,}{held - held_base:>+10,}"
+            f"{saved:>12,}{saved / saved_base:>10.3f}"
         )
     print("\nThe busiest ATen operations of each step:")
     for name, (counted, _, _) in rows.items():

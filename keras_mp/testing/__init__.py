@@ -4,10 +4,11 @@ One module per concept: `asserts.py` (comparisons and NumPy conversions),
 `optimizer_steps.py` (a step as `fit` runs it, bytes per parameter),
 `fp8_helpers.py` (the FP8 tests' fixtures and checks), `host_syncs.py`
 (host sync and host copy counters), `launches.py` (the kernel launches
-of a PyTorch step), `saved_tensors.py` (what a step keeps
-for its backward), `processes.py` (child processes, hidden modules, the
-machine's description); `fp8_reference.py` is the FP8 tests' oracle and
-`pytest_plugin.py` the suite's plugin. Every helper is imported from here.
+of a PyTorch step), `saved_tensors.py` (what a step keeps for its
+backward, and what a process holds between steps), `processes.py` (child
+processes, hidden modules, the machine's description); `fp8_reference.py`
+is the FP8 tests' oracle and `pytest_plugin.py` the suite's plugin.
+Every helper is imported from here.
 """
 
 from keras_mp.testing.asserts import assert_bitwise_equal
@@ -31,6 +32,7 @@ from keras_mp.testing.processes import run_python
 from keras_mp.testing.processes import run_script
 from keras_mp.testing.processes import script_backend
 from keras_mp.testing.processes import without_modules
+from keras_mp.testing.saved_tensors import held_torch_bytes
 from keras_mp.testing.saved_tensors import saved_activation_bytes
 from keras_mp.testing.saved_tensors import tf_saved_tensors
 from keras_mp.testing.saved_tensors import torch_saved_tensors
@@ -51,6 +53,7 @@ __all__ = [
     "fp8_code_bits",
     "fp8_mlp_fit_and_reload",
     "gemm_and_gradients",
+    "held_torch_bytes",
     "run_python",
     "run_script",
     "saved_activation_bytes",

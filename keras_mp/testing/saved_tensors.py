@@ -1,5 +1,6 @@
 """What a training step keeps between its forward and its backward pass,
-read from the step itself on each backend."""
+read from the step itself on each backend, and what a PyTorch process
+holds between two steps."""
 
 import contextlib
 import functools
@@ -35,7 +36,7 @@ def saved_activation_bytes(model, x, y, loss):
 
         trainable = [v.value for v in model.trainable_variables]
         non_trainable = [v.value for v in model.non_trainable_variables]
-        x, y = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y)
+        x, y = keras.tree.map_structure(keras.ops.convert_to_tensor, (x, y))
 
         def step_loss(trainable):
             y_pred, _ = model.stateless_call(
@@ -52,10 +53,11 @@ def saved_activation_bytes(model, x, y, loss):
             total += int(np.prod(aval.shape)) * aval.dtype.itemsize
         return total
     if backend == "torch":
-        x, y = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y)
+        x, y = keras.tree.map_structure(keras.ops.convert_to_tensor, (x, y))
         value = loss(y, model(x, training=True))
         weights = [keras.ops.convert_to_tensor(v) for v in model.variables]
-        saved = torch_saved_tensors(value, exclude=[*weights, x, y])
+        batch = keras.tree.flatten((x, y))
+        saved = torch_saved_tensors(value, exclude=[*weights, *batch])
         return sum(nbytes for _, _, nbytes in saved)
     saved = tf_saved_tensors(model, x, y, loss)
     return sum(nbytes for _, _, _, nbytes in saved)
@@ -84,7 +86,7 @@ def tf_saved_tensors(model, x, y, loss):
     import tensorflow as tf
 
     marks = {}
-    x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
+    x, y = tf.nest.map_structure(tf.convert_to_tensor, (x, y))
 
     def step(x, y):
         with tf.GradientTape() as tape:
@@ -208,3 +210,49 @@ def torch_saved_tensors(output, exclude=()):
         walk(getattr(node, "__dict__", {}))
         nodes.extend(next_node for next_node, _ in node.next_functions)
     return list(found.values())
+
+
+def held_torch_bytes(*owners):
+    """Bytes of the PyTorch tensors alive now beyond the variables of
+    `owners`: what a process holds between two training steps besides its
+    models' and optimizers' variables (gradients Keras leaves in `.grad`,
+    cached FP8 codes, statistics, scratch buffers).
+
+    Read from the garbage collector's objects: every `torch.Tensor` alive
+    in this process, counted once per storage, except the storages of the
+    variables of each owner (anything with `variables`: a model, an
+    optimizer). On a CPU this is what a GPU's allocator would report as
+    held beyond the weights, without one.
+
+    Args:
+        *owners: Models, optimizers or layers whose variables are left out.
+
+    Returns:
+        An int: bytes.
+    """
+    import gc
+    import warnings
+
+    import torch
+
+    gc.collect()
+    left_out = {
+        variable.value.untyped_storage().data_ptr()
+        for owner in owners
+        for variable in owner.variables
+    }
+    seen = set()
+    total = 0
+    with warnings.catch_warnings():
+        # Lazy modules among the objects warn when `isinstance` asks them.
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if not isinstance(obj, torch.Tensor) or obj.device.type == "meta":
+                continue
+            storage = obj.untyped_storage()
+            pointer = storage.data_ptr()
+            if not pointer or pointer in seen or pointer in left_out:
+                continue
+            seen.add(pointer)
+            total += storage.nbytes()
+    return total
