@@ -249,8 +249,13 @@ def held_torch_bytes(*owners):
         for obj in gc.get_objects():
             if not isinstance(obj, torch.Tensor) or obj.device.type == "meta":
                 continue
-            storage = obj.untyped_storage()
-            pointer = storage.data_ptr()
+            try:
+                storage = obj.untyped_storage()
+                pointer = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):
+                # Tensors without data: `torch.compile`'s fake and
+                # functional tensors, alive after a compilation.
+                continue
             if not pointer or pointer in seen or pointer in left_out:
                 continue
             seen.add(pointer)
