@@ -16,8 +16,10 @@ float32 and back:
 
 `state_format(state_dtype, stochastic_rounding)` gives the format of a
 wrapper's settings. `optimizers/state_slots.py` keeps each slot's stored
-variables and runs the update through them; `backend/torch/fused_*` are
-the same formats written as in-place PyTorch calls, bit for bit.
+variables and runs the update through them; PyTorch's fused update
+(`backend/torch/fused_state_update.py`, float8's codes in
+`backend/torch/float8_codes.py`) writes the same formats in place, bit for
+bit.
 """
 
 import math
