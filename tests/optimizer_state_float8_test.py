@@ -82,25 +82,33 @@ def test_stochastic_rounding_is_unbiased_to_the_e4m3_grid():
     assert abs(decoded.mean() - 1.03) < 0.002
 
 
-def test_one_adam_step_matches_the_numpy_oracle_bit_for_bit():
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_one_adam_step_matches_the_numpy_oracle_bit_for_bit(amsgrad):
     rng = np.random.default_rng(1)
     shapes = [(3, 100), (5,)]
     weights = [rng.normal(size=s).astype(np.float32) for s in shapes]
     grads = [(rng.normal(size=s) * 1e-2).astype(np.float32) for s in shapes]
     variables = [keras.Variable(w) for w in weights]
     optimizer = keras_mp.OptimizerWrapper(
-        keras.optimizers.Adam(0.01), state_dtype="float8"
+        keras.optimizers.Adam(0.01, amsgrad=amsgrad), state_dtype="float8"
     )
     optimizer.build(variables)
+    names = ("momentum", "velocity") + (("velocity_hat",) if amsgrad else ())
+    # Keras makes each slot for every variable in turn: by variable.
     slots = [
-        v
-        for v in optimizer.inner_optimizer.variables
-        if v.path.endswith(("momentum", "velocity"))
+        [
+            v
+            for v in optimizer.inner_optimizer.variables
+            if v.path.endswith(name)
+        ][i]
+        for i in range(len(shapes))
+        for name in names
     ]
+    per_variable = len(names)
     states = []
     for i, shape in enumerate(shapes):
         state = []
-        for slot in slots[2 * i : 2 * i + 2]:
+        for slot in slots[per_variable * i : per_variable * (i + 1)]:
             codes, scales = _random_state(rng, shape)
             slot.assign(codes)
             optimizer._state_slots.stored(slot)[1].assign(scales)
@@ -113,13 +121,21 @@ def test_one_adam_step_matches_the_numpy_oracle_bit_for_bit():
     apply_as_fit(
         optimizer, [ops.convert_to_tensor(g) for g in grads], variables
     )
+    draws = per_variable - 1
     for i, (variable, weight, grad) in enumerate(
         zip(variables, weights, grads)
     ):
-        # Each variable's `v` takes the next seed of the generator.
-        seeds = (seed + [0, i]).astype(np.int32)
+        # Each variable's `v` (and then `v_hat`) takes the next seed of the
+        # generator.
+        seeds = (seed + [0, draws * i]).astype(np.int32)
         expected_weight, expected_state = reference.adam_step(
-            weight, grad, states[i], 0, 0.01, seeds
+            weight,
+            grad,
+            states[i],
+            0,
+            0.01,
+            seeds,
+            amsgrad_seeds=(seed + [0, draws * i + 1]).astype(np.int32),
         )
         if keras.backend.backend() == "jax":
             assert_bitwise_equal(to_numpy(variable), expected_weight)
@@ -133,7 +149,7 @@ def test_one_adam_step_matches_the_numpy_oracle_bit_for_bit():
                 to_numpy(variable), expected_weight, rtol=1e-6, atol=1e-8
             )
         actual = []
-        for slot in slots[2 * i : 2 * i + 2]:
+        for slot in slots[per_variable * i : per_variable * (i + 1)]:
             scales = optimizer._state_slots.stored(slot)[1]
             actual += [to_numpy(slot), to_numpy(scales)]
         for got, want in zip(actual, expected_state):

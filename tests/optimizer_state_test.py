@@ -630,6 +630,61 @@ def test_torch_fused_update_is_bit_identical_to_the_update_step_path(
         assert_bitwise_equal(a, b, path)
 
 
+@pytest.mark.parametrize("name", sorted(FUSED_OPTIMIZERS))
+@pytest.mark.parametrize(
+    "state_dtype, stochastic_rounding",
+    [("bfloat16", True), ("bfloat16", False), ("float16", False)],
+)
+def test_update_rules_through_keras_ops_give_keras_update_step_bits(
+    monkeypatch, name, state_dtype, stochastic_rounding
+):
+    # keras_mp writes each optimizer rule it runs once (`update_rules`):
+    # float8 state and PyTorch's fused update run it. Run with `keras.ops`
+    # on 16-bit state instead of Keras's own `update_step`, it gives Keras's
+    # bits on every backend, every branch of each rule included.
+    from keras_mp.backend.torch import fused_state_update
+    from keras_mp.optimizers import update_rules
+
+    monkeypatch.setattr(fused_state_update, "FUSED_TORCH_UPDATES", False)
+    rule = update_rules.RULES[name.split("_")[0].replace("adamw", "adam")]
+    calls = []
+
+    def trained(own_rule):
+        keras.utils.set_random_seed(1)
+        optimizer = keras_mp.OptimizerWrapper(
+            FUSED_OPTIMIZERS[name](),
+            state_dtype=state_dtype,
+            stochastic_rounding=stochastic_rounding,
+        )
+        if own_rule:
+            inner = optimizer.inner_optimizer
+            slots = optimizer._state_slots
+
+            def update_step(gradient, variable, learning_rate):
+                calls.append(variable)
+                update_rules.keras_update(
+                    rule,
+                    inner,
+                    slots,
+                    update_rules.Storage(),
+                    gradient,
+                    variable,
+                    learning_rate,
+                )
+
+            inner.__dict__["update_step"] = update_step
+        return [to_numpy(v) for v in _train_mixed_shapes(optimizer)], [
+            v.path for v in optimizer.variables
+        ]
+
+    ours, paths = trained(True)
+    assert calls
+    keras_own, _ = trained(False)
+    assert any(state_dtype == str(v.dtype) for v in ours) == (name != "sgd")
+    for path, a, b in zip(["variables"] * 5 + paths, ours, keras_own):
+        assert_bitwise_equal(a, b, path)
+
+
 @pytest.mark.backends("torch")
 def test_torch_fused_update_with_master_weights_matches_the_generic_path(
     monkeypatch,

@@ -1,26 +1,27 @@
-"""Adam's update on float8 state: the one optimizer rule keras_mp writes.
+"""Adam's update on float8 state.
 
 `state_dtype="float8"` keeps each moment of Keras's Adam or AdamW as E4M3
 codes with per-block scales (`state_formats.Float8BlockState`). Each step
 decodes the moments to float32, computes Adam's update in float32 as Keras
-does, and stores the new moments as codes again: the first moment rounded
-to nearest, the second stochastically (by default). Keras's own
-`update_step` cannot give these bits: it reads each moment back after
-storing it (here the weight's update uses the float32 moments), and it
-stores `v` itself.
+does (`update_rules.Adam`, the one writing of the rule in keras_mp), and
+stores the new moments as codes again: the first moment rounded to
+nearest, the second stochastically (by default). Keras's own `update_step`
+cannot give these bits: it reads each moment back after storing it (here
+the weight's update uses the float32 moments), and it stores `v` itself.
 
 The second moment is stored as its square root (COAT's dynamic range
 transform `x -> |x|**k` with a fixed `k = 1/2`): `v` spans the square of
 the gradients' range, `sqrt(v)` the same range as the first moment, so in
 a block where `m` is representable `sqrt(v)` is too and `m / sqrt(v)`
-never meets a `v` flushed to zero. On PyTorch the same update of Adam
-and AdamW without amsgrad runs in place, bit for bit, in the fused update
-of every state dtype (`backend/torch/fused_state_update.py`);
+never meets a `v` flushed to zero. On PyTorch the same rule of Adam and
+AdamW without amsgrad runs in place, bit for bit, in the fused update of
+every state dtype (`backend/torch/fused_state_update.py`);
 `keras_mp.testing.float8_state_reference` is its NumPy oracle.
 """
 
 import keras
-from keras import ops
+
+from keras_mp.optimizers import update_rules
 
 # Slots of `keras.optimizers.Adam`/`AdamW` the codes hold, and whether the
 # slot is a second moment: stored as its square root, and stochastically
@@ -31,6 +32,20 @@ from keras import ops
 # every slot rounded to nearest, +0.0198 (`v` stalls); every slot
 # stochastically rounded, -0.037/-0.018 (the noise on `m` changes the run).
 ADAM_SLOTS = {"momentum": False, "velocity": True, "velocity_hat": True}
+
+# How the rule sees the codes: the second moments stored as their square
+# root and rounded stochastically; the update goes on with the float32
+# moments it stored, not their codes. Only the second moments are rounded
+# stochastically: Adam moves `v` by `(1 - beta_2) * (g**2 - v)` a step, far
+# below half an E4M3 step (1/16 of the value), so rounded to nearest `v`
+# would stall. The first moment moves by `(1 - beta_1) * (g - m)`, mostly
+# above it, and the noise of stochastic rounding (which an EMA of
+# `beta_1 = 0.9` averages only over a few steps) cost more than rounding
+# to nearest in the measurements above.
+SECOND_MOMENTS = [name for name, root in ADAM_SLOTS.items() if root]
+STORAGE = update_rules.Storage(
+    roots=SECOND_MOMENTS, stochastic=SECOND_MOMENTS, reads_back=False
+)
 
 
 def supports(optimizer):
@@ -74,66 +89,20 @@ class Float8Adam:
                 f"{initializer!r}. Use state_dtype='bfloat16'."
             )
 
-    def _read(self, variable, name):
-        value = self._slots.read(variable, name)
-        return value * value if ADAM_SLOTS[name] else value
-
-    def _store(self, variable, name, value):
-        """Stores float32 `value` in slot `name`; a second moment's
-        `value` is already its square root."""
-        # Only the second moments are rounded stochastically. Adam moves
-        # `v` by `(1 - beta_2) * (g**2 - v)` a step, far below half an
-        # E4M3 step (1/16 of the value): rounded to nearest, `v` would
-        # stall. The first moment moves by `(1 - beta_1) * (g - m)`, mostly
-        # above it, and the noise of stochastic rounding (which an EMA of
-        # `beta_1 = 0.9` averages only over a few steps) cost more than
-        # rounding to nearest in the measurements (see `ADAM_SLOTS`).
-        seed = self._slots.next_seed() if ADAM_SLOTS[name] else None
-        self._slots.write(variable, name, value, seed)
-
     def update_step(self, gradient, variable, learning_rate):
-        """Keras's Adam `update_step` in float32 on the decoded moments.
-
-        The same operations in the same order as Keras's; the weight's
-        update uses the float32 moments computed here (before they are
-        stored in 8 bits).
-        """
-        optimizer = self._optimizer
-        dtype = "float32"
-        lr = ops.cast(learning_rate, dtype)
-        gradient = ops.cast(gradient, dtype)
-        local_step = ops.cast(optimizer.iterations + 1, dtype)
-        beta_1_power = ops.power(ops.cast(optimizer.beta_1, dtype), local_step)
-        beta_2_power = ops.power(ops.cast(optimizer.beta_2, dtype), local_step)
-        alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-        # Python numbers made float32 tensors first, so that every backend
-        # (and the NumPy oracle) multiplies and adds the same float32 values.
-        one_minus_beta_1 = ops.cast(1 - optimizer.beta_1, dtype)
-        one_minus_beta_2 = ops.cast(1 - optimizer.beta_2, dtype)
-        m = self._read(variable, "momentum")
-        v = self._read(variable, "velocity")
-        m = ops.add(
-            m, ops.multiply(ops.subtract(gradient, m), one_minus_beta_1)
+        """Keras's Adam `update_step` in float32 on the decoded moments
+        (`update_rules.Adam`, with `keras.ops`): the weight's update uses
+        the float32 moments computed here, before they are stored in 8
+        bits."""
+        update_rules.keras_update(
+            update_rules.Adam,
+            self._optimizer,
+            self._slots,
+            STORAGE,
+            gradient,
+            variable,
+            learning_rate,
         )
-        v = ops.add(
-            v,
-            ops.multiply(
-                ops.subtract(ops.square(gradient), v), one_minus_beta_2
-            ),
-        )
-        # sqrt(v), once: stored (as the second moment's codes) and divided by.
-        root = ops.sqrt(v)
-        self._store(variable, "momentum", m)
-        self._store(variable, "velocity", root)
-        if optimizer.amsgrad:
-            v = ops.maximum(self._read(variable, "velocity_hat"), v)
-            root = ops.sqrt(v)
-            self._store(variable, "velocity_hat", root)
-        update = ops.divide(
-            ops.multiply(m, alpha),
-            ops.add(root, ops.cast(optimizer.epsilon, dtype)),
-        )
-        optimizer.assign_sub(variable, ops.cast(update, variable.dtype))
 
 
 def is_second_moment(path):

@@ -72,9 +72,6 @@ class Float32State(StateFormat):
 
     name = dtype = "float32"
 
-    def write(self, value, seed=None):
-        return [ops.cast(value, "float32")]
-
 
 class HalfState(StateFormat):
     """Slots in bfloat16 or float16: stored rounded to nearest, or (bfloat16)

@@ -22,7 +22,8 @@ never its class), in this one method:
   XLA on TensorFlow (`backend/optimizer_state.py`).
 
 The optimizer's rule is Keras's `update_step` wherever its bits can be
-kept: float32 and 16-bit state.
+kept: float32 and 16-bit state. Elsewhere (float8 state, PyTorch's fused
+update) it is the one writing of the same rule in `update_rules.py`.
 """
 
 import keras
@@ -34,6 +35,8 @@ from keras_mp.backend import optimizer_state
 from keras_mp.backend.torch import float8_codes
 from keras_mp.backend.torch import fused_state_update
 from keras_mp.optimizers import float8_state
+from keras_mp.optimizers import state_formats
+from keras_mp.optimizers import update_rules
 from keras_mp.optimizers.master_weights import HALF_DTYPES
 from keras_mp.optimizers.overwrite_with_gradient import overwrites_with_gradient
 
@@ -51,6 +54,9 @@ class StateSlots:
 
     def __init__(self, optimizer, state_format, seed_generator):
         self._optimizer = optimizer
+        # The optimizer's own `assign`, before `install` hooks the stores:
+        # `write` stores what the format made, rounded once.
+        self._assign = optimizer.assign
         self.format = state_format
         self._seed_generator = seed_generator
         # The optimizer's key of a reference variable (on TensorFlow,
@@ -94,7 +100,7 @@ class StateSlots:
         """Stores float32 `value` in slot `name` of reference `variable`."""
         stored = self.slots_of(variable)[name]
         for target, new in zip(stored, self.format.write(value, seed)):
-            self._optimizer.assign(target, new)
+            self._assign(target, new)
 
     def next_seed(self):
         """The int32 key pair of one stochastically rounded store, or None
@@ -141,9 +147,13 @@ class StateSlots:
             self.format.stochastic_rounding,
             seed_generator=self._seed_generator,
             update_step=update_step,
+            rules=update_rules.RULES,
+            storage=float8_state.STORAGE if float8 else update_rules.Storage(),
             float8_codes=(
                 float8_codes.Float8Codes(
-                    e4m3_e5m2.scale_from_amax, e4m3_e5m2.E4M3_VALUES
+                    e4m3_e5m2.scale_from_amax,
+                    e4m3_e5m2.E4M3_VALUES,
+                    state_formats.BLOCK_SIZE,
                 )
                 if float8
                 else None

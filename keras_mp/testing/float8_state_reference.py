@@ -81,16 +81,19 @@ def adam_step(
     beta_1=0.9,
     beta_2=0.999,
     epsilon=1e-7,
+    amsgrad_seeds=None,
 ):
     """One step of Adam on float8 state.
 
     Args:
         weight, gradient: float32 arrays.
         state: `(m_codes, m_scales, v_codes, v_scales)`, `v` stored as the
-            codes of its square root.
+            codes of its square root; with amsgrad, `v_hat`'s codes and
+            scales follow (also of its square root).
         iteration: The optimizer's `iterations` before the step.
         learning_rate: A float.
         seeds: The int32 key pair for `v`'s stochastic rounding, or None.
+        amsgrad_seeds: With amsgrad, the key pair for `v_hat`'s, or None.
 
     Returns:
         `(new_weight, new_state)`.
@@ -110,5 +113,10 @@ def adam_step(
     m = m + (gradient - m) * f32(1 - beta_1)
     v = v + (gradient * gradient - v) * f32(1 - beta_2)
     new_state = (*quantize(m), *quantize(np.sqrt(v), seeds))
+    if len(state) == 6:
+        # amsgrad: v_hat = maximum(v_hat, v), and the update divides by it.
+        v_hat_root = dequantize(state[4], state[5])
+        v = np.maximum(v_hat_root * v_hat_root, v)
+        new_state += quantize(np.sqrt(v), amsgrad_seeds)
     update = (m * alpha) / (np.sqrt(v) + f32(epsilon))
     return weight - update, new_state

@@ -1,7 +1,7 @@
 """The codes of float8 optimizer state, decoded and encoded in place.
 
 `Float8Codes`: `state_dtype="float8"`'s E4M3 codes with a float32
-power-of-two scale per block of 128 elements
+power-of-two scale per block of elements
 (`keras_mp/optimizers/state_formats.py`'s `Float8BlockState`), written as
 in-place PyTorch calls on scratch buffers, bit for bit its `keras.ops`
 `quantize` and `dequantize`: the fused update
@@ -14,8 +14,6 @@ CPU).
 
 from keras_mp.backend.torch import fused_batches
 
-BLOCK_SIZE = 128
-
 
 class Float8Codes:
     """In-place `dequantize` and `quantize` of float8 state (see the module).
@@ -24,11 +22,13 @@ class Float8Codes:
         scale_from_amax: `keras_mp._fp8.formats.e4m3_e5m2.scale_from_amax`.
         values: The float32 values of the 256 codes (a NumPy array), those
             `e4m3_e5m2.e4m3_values` looks up.
+        block_size: Elements per scale (`state_formats.BLOCK_SIZE`).
     """
 
-    def __init__(self, scale_from_amax, values):
+    def __init__(self, scale_from_amax, values, block_size):
         import torch
 
+        self.block_size = block_size
         self._scale_from_amax = scale_from_amax
         self._table = torch.from_numpy(values.copy())
 
@@ -41,7 +41,7 @@ class Float8Codes:
             self._table = self._table.to(out.device)
         ints.copy_(codes)
         torch.index_select(self._table, 0, ints, out=out)
-        _per_block(out, scales, "mul_")
+        _per_block(out, scales, "mul_", self.block_size)
 
     def encode(self, x, codes, scales, y, ints, index, key=None):
         """`quantize` of float32 `x` (left as it is) into `codes` and
@@ -54,15 +54,16 @@ class Float8Codes:
         # amax: a NaN counts as inf (`backend.fp8.amax`); the zeros that
         # pad the last block never change a max of magnitudes.
         torch.abs(x, out=y)
-        full = x.numel() // BLOCK_SIZE * BLOCK_SIZE
-        amax = y[:full].view(-1, BLOCK_SIZE).amax(1)
+        block = self.block_size
+        full = x.numel() // block * block
+        amax = y[:full].view(-1, block).amax(1)
         if full < x.numel():
             amax = torch.cat([amax, y[full:].amax().reshape(1)])
         amax = torch.where(torch.isnan(amax), float("inf"), amax)
         scales.copy_(self._scale_from_amax(amax, "e4m3"))
         # y = x / scale
         y.copy_(x)
-        _per_block(y, scales, "div_")
+        _per_block(y, scales, "div_", block)
         # `e4m3_e5m2.e4m3_bits`, step by step.
         bits = y.view(torch.int32)
         torch.bitwise_and(bits, 0x7FFFFFFF, out=i0)  # |y|
@@ -96,12 +97,12 @@ class Float8Codes:
         codes.copy_(i2)
 
 
-def _per_block(x, scales, method):
-    """`x`'s blocks of 128 (the last one possibly short) times or divided by
-    their scale, in place."""
-    full = x.numel() // BLOCK_SIZE
+def _per_block(x, scales, method, block):
+    """`x`'s blocks of `block` elements (the last one possibly short) times
+    or divided by their scale, in place."""
+    full = x.numel() // block
     if full:
-        head = x[: full * BLOCK_SIZE].view(full, BLOCK_SIZE)
+        head = x[: full * block].view(full, block)
         getattr(head, method)(scales[:full, None])
-    if full * BLOCK_SIZE < x.numel():
-        getattr(x[full * BLOCK_SIZE :], method)(scales[full])
+    if full * block < x.numel():
+        getattr(x[full * block :], method)(scales[full])

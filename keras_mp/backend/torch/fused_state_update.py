@@ -1,17 +1,17 @@
-"""Torch's fused in-place update of 16-bit optimizer state.
+"""Torch's fused in-place update of 16-bit and float8 optimizer state.
 
 `FusedStateUpdate`: for Keras's Adam, AdamW, SGD and RMSprop on PyTorch,
-the per-variable `update_step` with 16-bit slots, run as a few multi-tensor
-calls per batch of elements over cache-sized scratch buffers, bit-identical
-to that path. What `keras.ops` cannot express; the batches it runs over are
-in `fused_batches.py`.
+the per-variable `update_step` with 16-bit slots (and float8 state's Adam),
+run as a few multi-tensor calls per batch of elements over cache-sized
+scratch buffers, bit-identical to that path. What `keras.ops` cannot
+express. The rules are not written here: it runs the rules of
+`keras_mp.optimizers.update_rules` (passed in, as this floor is below
+theirs) on `_BatchLanes`; the batches it runs over are in
+`fused_batches.py`.
 """
-
-from keras import ops
 
 from keras_mp import _keras_internals
 from keras_mp import _random_bits
-from keras_mp.backend.torch import float8_codes
 from keras_mp.backend.torch import fused_batches
 
 # Whether the fused PyTorch update below may run (tests turn it off to
@@ -48,8 +48,9 @@ class FusedStateUpdate:
     each slot store computed in float32 and rounded by the wrapper's
     hooks) costs two to five times Keras's own float32 update on PyTorch:
     dozens of eager `keras.ops` calls per variable, each allocating a full
-    size result. This runs the same arithmetic, in the same order and with
-    the same float32 roundings, in batches of `_BATCH_ELEMENTS` elements
+    size result. This runs the same rule (`update_rules`: the same
+    arithmetic, in the same order and with the same float32 roundings) in
+    batches of `_BATCH_ELEMENTS` elements
     over persistent scratch buffers, with in-place PyTorch ops (and
     `torch._foreach_*` where a batch spans several variables):
 
@@ -82,6 +83,12 @@ class FusedStateUpdate:
         update_step: The `update_step` the wrapper set on the optimizer; any
             other found there at update time means someone changed the
             update, and the per-variable path runs.
+        rules: The rules by kind ("adam", "sgd", "rmsprop"):
+            `update_rules.RULES`.
+        storage: How the format stores the slots (`update_rules.Storage`).
+        float8_codes: float8 state's codec (`float8_codes.Float8Codes`), or
+            None for 16-bit state.
+        scales_of: float8 state: a codes slot's scales variable.
     """
 
     def __init__(
@@ -91,12 +98,16 @@ class FusedStateUpdate:
         stochastic_rounding,
         seed_generator,
         update_step,
+        rules,
+        storage,
         float8_codes=None,
         scales_of=None,
     ):
         import torch
 
         self._optimizer = optimizer
+        self._rules = rules
+        self._storage = storage
         self._state_dtype = {
             "bfloat16": torch.bfloat16,
             "float16": torch.float16,
@@ -180,39 +191,45 @@ class FusedStateUpdate:
                 return False
             # `update_step` casts the gradient to the variable's dtype.
             flat_grads.append(grad.to(torch.float32).reshape(-1))
+        rule = self._rules[kind]
+        names = rule.slots(optimizer)
+        if len(names) != len(slot_lists):
+            return False
+        constants = rule.constants(optimizer, learning_rate, _BatchLanes.scalar)
         layout = self._layout([tensor.numel() for tensor in tensors], device)
-        run = {
-            "adam": self._adam,
-            "sgd": self._sgd,
-            "rmsprop": self._rmsprop,
-        }[kind](learning_rate)
-        # float8 state: one stochastically rounded store per variable, the
-        # second moment's (`float8_state.Float8Adam._store`).
-        keys = self._keys(
-            layout, 1 if self._float8 is not None else len(slot_lists)
-        )
+        keys = self._keys(layout, self._storage.stochastic_stores(names))
         flat_tensors = [tensor.view(-1) for tensor in tensors]
         if self._float8 is None:
             flat_slots = [[slot.view(-1) for slot in s] for s in slots]
         else:
             flat_slots = [
-                [_Float8Slot(codes.view(-1), scales) for codes, scales in s]
+                [
+                    _Float8Slot(codes.view(-1), scales, self._float8.block_size)
+                    for codes, scales in s
+                ]
                 for s in slots
             ]
         for batch in layout.batches:
             segments = batch.segments
-            grad_views = [flat_grads[i][a:b] for i, a, b in segments]
-            variable_views = [flat_tensors[i][a:b] for i, a, b in segments]
-            slot_views = [
-                [flat_slots[i][k][a:b] for i, a, b in segments]
-                for k in range(len(slot_lists))
-            ]
-            batch_keys = (
-                None
-                if keys is None
-                else [k[batch.first : batch.last] for k in keys]
+            lanes = _BatchLanes(
+                self,
+                batch,
+                names,
+                views=(
+                    [flat_grads[i][a:b] for i, a, b in segments],
+                    [flat_tensors[i][a:b] for i, a, b in segments],
+                    [
+                        [flat_slots[i][k][a:b] for i, a, b in segments]
+                        for k in range(len(names))
+                    ],
+                ),
+                keys=(
+                    None
+                    if keys is None
+                    else [k[batch.first : batch.last] for k in keys]
+                ),
             )
-            run(batch, grad_views, variable_views, slot_views, batch_keys)
+            rule.run(lanes, constants)
         return True
 
     # ------------------------------------------------------------ layout
@@ -223,7 +240,8 @@ class FusedStateUpdate:
             elements = batch_elements(device)
             if self._float8 is not None:
                 # One variable a batch, in whole blocks of 128.
-                elements = max(BLOCK, elements // BLOCK * BLOCK)
+                block = self._float8.block_size
+                elements = max(block, elements // block * block)
             layout = fused_batches.Layout(
                 sizes, elements, device, shared=self._float8 is None
             )
@@ -350,170 +368,88 @@ class FusedStateUpdate:
         noise.bitwise_and_(-65536)
         torch._foreach_copy_(slot_views, batch.views(result))
 
-    # ----------------------------------------------------- update rules
-    def _adam(self, learning_rate):
-        """Adam's `update_step`, float32 (`alpha` as it computes it)."""
-        import torch
-
-        optimizer = self._optimizer
-        dtype = "float32"
-        lr = ops.cast(learning_rate, dtype)
-        local_step = ops.cast(optimizer.iterations + 1, dtype)
-        beta_1_power = ops.power(ops.cast(optimizer.beta_1, dtype), local_step)
-        beta_2_power = ops.power(ops.cast(optimizer.beta_2, dtype), local_step)
-        alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-        one_minus_beta_1 = 1 - optimizer.beta_1
-        one_minus_beta_2 = 1 - optimizer.beta_2
-        epsilon = optimizer.epsilon
-        amsgrad = optimizer.amsgrad
-
-        float8 = self._float8 is not None
-
-        def run(batch, grads, variable_views, slot_views, keys):
-            x, y, z, w = batch.buffers[:4]
-            m, v = slot_views[0], slot_views[1]
-            key = (lambda k: None) if keys is None else keys.__getitem__
-            # m += (g - m) * (1 - beta_1)
-            self._load(batch, x, m)
-            torch._foreach_copy_(batch.views(y), grads)
-            y.sub_(x)
-            y.mul_(one_minus_beta_1)
-            x.add_(y)
-            # float8 rounds the first moment to nearest; its one key per
-            # variable is the second moment's.
-            self._store(batch, x, z, w, m, None if float8 else key(0))
-            # v += (g * g - v) * (1 - beta_2)
-            self._load(batch, x, v, square=True)
-            torch._foreach_copy_(batch.views(y), grads)
-            y.mul_(y)
-            y.sub_(x)
-            y.mul_(one_minus_beta_2)
-            x.add_(y)
-            if float8:
-                # The codes hold sqrt(v), which the update divides by.
-                x.sqrt_()
-                self._store(batch, x, w, y, v, key(0))
-            else:
-                self._store(batch, x, w, y, v, key(1))
-            if amsgrad:
-                # v_hat = maximum(v_hat, v); v = v_hat
-                torch._foreach_copy_(batch.views(x), slot_views[2])
-                # Per variable: PyTorch's maximum gives a NaN other bits in
-                # its vector loop than in its tail, and float16 stores keep
-                # them; per variable the loop splits where Keras's does.
-                torch._foreach_maximum_(batch.views(x), batch.views(w))
-                self._store(batch, x, w, y, slot_views[2], key(2))
-            # variable -= m * alpha / (sqrt(v) + epsilon)
-            z.mul_(alpha)
-            if not float8:
-                w.sqrt_()
-            w.add_(epsilon)
-            z.div_(w)
-            torch._foreach_sub_(variable_views, batch.views(z))
-
-        return run
-
-    def _sgd(self, learning_rate):
-        """SGD's `update_step`, float32."""
-        import torch
-
-        optimizer = self._optimizer
-        lr = ops.cast(learning_rate, "float32")
-        momentum = ops.cast(optimizer.momentum, "float32")
-        with_momentum = optimizer.momentum != 0
-        nesterov = optimizer.nesterov
-
-        def run(batch, grads, variable_views, slot_views, keys):
-            x, y, z, w = batch.buffers[:4]
-            torch._foreach_copy_(batch.views(y), grads)
-            y.mul_(lr)
-            if not with_momentum:
-                # variable -= g * lr
-                torch._foreach_sub_(variable_views, batch.views(y))
-                return
-            # m = m * momentum - g * lr
-            torch._foreach_copy_(batch.views(x), slot_views[0])
-            x.mul_(momentum)
-            x.sub_(y)
-            self._store(
-                batch, x, z, w, slot_views[0], None if keys is None else keys[0]
-            )
-            if nesterov:
-                # variable += m * momentum - g * lr
-                z.mul_(momentum)
-                z.sub_(y)
-            # else: variable += m
-            torch._foreach_add_(variable_views, batch.views(z))
-
-        return run
-
-    def _rmsprop(self, learning_rate):
-        """RMSprop's `update_step`, float32."""
-        import torch
-
-        optimizer = self._optimizer
-        lr = ops.cast(learning_rate, "float32")
-        rho = optimizer.rho
-        one_minus_rho = 1 - rho
-        epsilon = optimizer.epsilon
-        centered = optimizer.centered
-        momentum = optimizer.momentum
-
-        def run(batch, grads, variable_views, slot_views, keys):
-            x, y, z, w = batch.buffers[:4]
-            key = (lambda k: None) if keys is None else keys.__getitem__
-            # velocity = rho * velocity + (1 - rho) * g * g
-            torch._foreach_copy_(batch.views(x), slot_views[0])
-            x.mul_(rho)
-            torch._foreach_copy_(batch.views(y), grads)
-            y.mul_(y)
-            y.mul_(one_minus_rho)
-            x.add_(y)
-            self._store(batch, x, z, w, slot_views[0], key(0))
-            if centered:
-                # average = rho * average + (1 - rho) * g
-                torch._foreach_copy_(batch.views(x), slot_views[1])
-                x.mul_(rho)
-                torch._foreach_copy_(batch.views(y), grads)
-                y.mul_(one_minus_rho)
-                x.add_(y)
-                self._store(batch, x, w, y, slot_views[1], key(1))
-                # denominator = velocity - average * average + epsilon
-                w.mul_(w)
-                z.sub_(w)
-            z.add_(epsilon)
-            # increment = lr * g / sqrt(denominator)
-            z.sqrt_()
-            torch._foreach_copy_(batch.views(y), grads)
-            y.mul_(lr)
-            y.div_(z)
-            if momentum > 0:
-                # m = momentum * m + increment; variable -= m
-                torch._foreach_copy_(batch.views(x), slot_views[-1])
-                x.mul_(momentum)
-                x.add_(y)
-                self._store(
-                    batch, x, z, w, slot_views[-1], key(len(slot_views) - 1)
-                )
-                y = z
-            # variable -= increment (or m)
-            torch._foreach_sub_(variable_views, batch.views(y))
-
-        return run
-
-
-# Elements per block scale of float8 state.
-BLOCK = float8_codes.BLOCK_SIZE
-
 
 class _Float8Slot:
     """A float8 slot's flat codes and its block scales, sliced together (a
     slice starts on a block: one variable a batch, in whole blocks)."""
 
-    def __init__(self, codes, scales):
+    def __init__(self, codes, scales, block):
         self._codes = codes
         self._scales = scales
+        self._block = block
 
     def __getitem__(self, part):
-        blocks = slice(part.start // BLOCK, -(-part.stop // BLOCK))
+        block = self._block
+        blocks = slice(part.start // block, -(-part.stop // block))
         return self._codes[part], self._scales[blocks]
+
+
+class _BatchLanes:
+    """The lanes a rule of `keras_mp.optimizers.update_rules` runs on: one
+    batch's scratch buffers as its registers, each step a torch in-place
+    call (`torch._foreach_*` over the batch's segments where it touches the
+    optimizer's tensors)."""
+
+    def __init__(self, update, batch, names, views, keys):
+        self._update, self._batch, self._names = update, batch, names
+        # The batch's segments of the gradients, variables and each slot.
+        self._grads, self._variables, self._slots = views
+        self._keys = keys
+        # Stochastically rounded stores so far: the index of the next key.
+        self._draws = 0
+        self.storage = update._storage
+        self.registers = tuple(batch.buffers[:4])
+
+    @staticmethod
+    def scalar(number):
+        """A Python hyperparameter, multiplied by as it is (torch rounds it
+        to float32 for a float32 tensor, as `keras.ops` casts it)."""
+        return number
+
+    def gradient(self, register):
+        import torch
+
+        torch._foreach_copy_(self._batch.views(register), self._grads)
+
+    def load(self, name, register):
+        self._update._load(
+            self._batch,
+            register,
+            self._slots[self._names.index(name)],
+            square=self.storage.is_root(name),
+        )
+
+    def store(self, name, source, readback, scratch):
+        key = None
+        if self.storage.is_stochastic(name):
+            if self._keys is not None:
+                key = self._keys[self._draws]
+            self._draws += 1
+        self._update._store(
+            self._batch,
+            source,
+            readback,
+            scratch,
+            self._slots[self._names.index(name)],
+            key,
+        )
+
+    def maximum(self, register, other):
+        import torch
+
+        # Per variable: PyTorch's maximum gives a NaN other bits in its
+        # vector loop than in its tail, and float16 stores keep them; per
+        # variable the loop splits where Keras's does.
+        torch._foreach_maximum_(
+            self._batch.views(register), self._batch.views(other)
+        )
+
+    def add_to_variable(self, register):
+        import torch
+
+        torch._foreach_add_(self._variables, self._batch.views(register))
+
+    def subtract_from_variable(self, register):
+        import torch
+
+        torch._foreach_sub_(self._variables, self._batch.views(register))
