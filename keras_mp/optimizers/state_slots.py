@@ -152,8 +152,9 @@ class StateSlots:
             float8_codes=(
                 float8_codes.Float8Codes(
                     e4m3_e5m2.scale_from_amax,
-                    e4m3_e5m2.E4M3_VALUES,
+                    e4m3_e5m2.e4m3_value_table(),
                     state_formats.BLOCK_SIZE,
+                    e4m3_e5m2.e4m3_code_program,
                 )
                 if float8
                 else None

@@ -15,7 +15,6 @@ scaled values, and the operands a GEMM multiplies.
 """
 
 import keras
-import numpy as np
 from keras import ops
 
 from keras_mp import _random_bits
@@ -224,6 +223,22 @@ def e4m3_bits(y, seed=None):
     value of exponent `e`, and `2**-9` below `2**-6`), finite values
     clipped to 448, inf and NaN coded as NaN (E4M3 has no inf).
 
+    `e4m3_code_program` with `keras.ops`; PyTorch's fused optimizer update
+    runs the same program in place (`backend/torch/float8_codes.py`).
+    """
+    lanes = _KerasCodeLanes(y, seed)
+    codes = e4m3_code_program(
+        lanes, _Register(y), [_Register() for _ in range(4)], seed is not None
+    )
+    return ops.cast(codes.value, "uint8")
+
+
+def e4m3_code_program(lanes, y, scratch, stochastic):
+    """The E4M3 encoder, written once: the int32 codes (sign included, not
+    yet uint8) of the float32 register `y`, computed on `lanes` with four
+    int32 scratch registers; `stochastic` adds `lanes.random_bits`' noise.
+    Returns the register holding the codes (one of `scratch`).
+
     Written without division, `where` and comparisons, which cost a pass
     each (on eager PyTorch, `where` and comparisons run one value at a
     time: 4 ms per million values against 0.1 ms for an add): `|y|` times
@@ -231,38 +246,121 @@ def e4m3_bits(y, seed=None):
     rounded to an integer `k` of steps, and the code is `k` plus 8 per
     binade above E4M3's lowest: `k + 8 * (exponent - 121)`, `exponent`
     the biased float32 exponent of `|y|` (at least 121, that of `2**-6`).
+
+    Each step is three-address, `lanes.<op>(out, a, b)`; `lanes.ints` and
+    `lanes.floats` reinterpret a register's bits (a view on PyTorch, a
+    bitcast with `keras.ops`), after which only the new register is used,
+    so that aliasing and copies give the same result. `y` is clobbered.
     """
-    bits = ops.view(y, "int32")
-    magnitude = ops.bitwise_and(bits, 0x7FFFFFFF)
-    biased = ops.right_shift(magnitude, 23)
-    exponent = ops.maximum(biased, _MIN_NORMAL_EXPONENT)
-    # 2**(3 - e): the biased exponent of the step's inverse is 257 - exponent.
-    inverse_step = ops.view(ops.left_shift(257 - exponent, 23), "float32")
-    steps = ops.view(magnitude, "float32") * inverse_step
-    if seed is not None:
-        bits_of_noise = _random_bits.random_bits(tuple(y.shape), seed)
+    i0, i1, i2, i3 = scratch
+    bits = lanes.ints(y)
+    lanes.bitwise_and(i0, bits, 0x7FFFFFFF)  # |y|
+    lanes.right_shift(i1, i0, 23)
+    lanes.maximum(i1, i1, _MIN_NORMAL_EXPONENT)  # exponent
+    # 127 where the biased exponent is 255 (inf, NaN: 448 is code 126, any
+    # code of 0..126 ORed with 127 is NaN), and the sign bit, as a cast
+    # keeps it (-0 and -NaN included); ORed into the code at the end.
+    lanes.add(i2, i1, 1)
+    lanes.right_shift(i2, i2, 8)
+    lanes.multiply(i2, i2, _NAN_CODE)
+    lanes.right_shift(bits, bits, 24)
+    lanes.bitwise_and(bits, bits, _SIGN)
+    lanes.bitwise_or(bits, bits, i2)
+    # steps = |y| * 2**(3 - e): the biased exponent of the step's inverse
+    # is 257 - e.
+    lanes.subtract(i2, 257, i1)
+    lanes.left_shift(i2, i2, 23)
+    steps = lanes.floats(i0)
+    lanes.multiply(steps, steps, lanes.floats(i2))
+    if stochastic:
         # 24 random bits as a float32 in [0, 1), exactly.
-        uniform = ops.cast(
-            ops.bitwise_and(ops.right_shift(bits_of_noise, 8), 0xFFFFFF),
-            "float32",
-        )
-        steps = ops.floor(steps + uniform * 2.0**-24)
+        lanes.random_bits(i2, i3)
+        lanes.right_shift(i2, i2, 8)
+        lanes.bitwise_and(i2, i2, 0xFFFFFF)
+        uniform = lanes.floats(i3)
+        lanes.to_float(uniform, i2)
+        lanes.multiply(uniform, uniform, 2.0**-24)
+        lanes.add(steps, steps, uniform)
+        lanes.floor(steps, steps)
     # The integer of steps (at most 16), read off the bits of steps + 2**23,
     # whose float32 spacing is 1: rounded there to nearest, ties to even,
-    # where no `seed` floored it (a saturating float-to-int conversion
+    # where no noise floored it (a saturating float-to-int conversion
     # costs XLA several operations an element).
-    steps = ops.view(steps + 2.0**23, "int32") - 0x4B000000
-    code = steps + (exponent - _MIN_NORMAL_EXPONENT) * 8
-    # 448 is code 126. Inf and NaN (biased exponent 255, whatever their
-    # steps give) become 127, NaN: any code of 0..126 ORed with 127.
-    code = ops.clip(code, 0, 126)
-    nonfinite = ops.right_shift(biased + 1, 8)  # 1 where biased == 255
-    code = ops.bitwise_or(code, nonfinite * _NAN_CODE)
-    # The sign bit, as a cast keeps it (-0 and -NaN included).
-    code = ops.bitwise_or(
-        code, ops.bitwise_and(ops.right_shift(bits, 24), _SIGN)
-    )
-    return ops.cast(code, "uint8")
+    lanes.add(steps, steps, 2.0**23)
+    lanes.subtract(i2, lanes.ints(steps), 0x4B000000)
+    lanes.subtract(i1, i1, _MIN_NORMAL_EXPONENT)
+    lanes.multiply(i1, i1, 8)
+    lanes.add(i2, i2, i1)
+    lanes.clip(i2, i2, 0, 126)
+    lanes.bitwise_or(i2, i2, bits)
+    return i2
+
+
+class _Register:
+    """A register of `_KerasCodeLanes`: a tensor, replaced by each step."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value=None):
+        self.value = value
+
+
+def _operand(x):
+    return x.value if isinstance(x, _Register) else x
+
+
+def _view(register, dtype):
+    """A register with `register`'s bits as `dtype` (empty for a register
+    not written yet: a scratch register the program writes next)."""
+    value = register.value
+    return _Register(None if value is None else ops.view(value, dtype))
+
+
+def _three_address(op):
+    def step(self, out, a, b):
+        out.value = op(_operand(a), _operand(b))
+
+    return step
+
+
+class _KerasCodeLanes:
+    """Runs `e4m3_code_program` with `keras.ops` on a tensor `y`."""
+
+    def __init__(self, y, seed):
+        self._shape = tuple(y.shape)
+        self._seed = seed
+
+    add = _three_address(ops.add)
+    subtract = _three_address(ops.subtract)
+    multiply = _three_address(ops.multiply)
+    maximum = _three_address(ops.maximum)
+    bitwise_and = _three_address(ops.bitwise_and)
+    bitwise_or = _three_address(ops.bitwise_or)
+    right_shift = _three_address(ops.right_shift)
+    left_shift = _three_address(ops.left_shift)
+
+    @staticmethod
+    def ints(register):
+        return _view(register, "int32")
+
+    @staticmethod
+    def floats(register):
+        return _view(register, "float32")
+
+    @staticmethod
+    def to_float(out, a):
+        out.value = ops.cast(a.value, "float32")
+
+    @staticmethod
+    def floor(out, a):
+        out.value = ops.floor(a.value)
+
+    @staticmethod
+    def clip(out, a, low, high):
+        out.value = ops.clip(a.value, low, high)
+
+    def random_bits(self, out, scratch):
+        out.value = _random_bits.random_bits(self._shape, self._seed)
 
 
 def e4m3_values(codes):
@@ -270,7 +368,7 @@ def e4m3_values(codes):
     bits; the NaN codes as float32's quiet NaN. (A lookup in
     `E4M3_VALUES` with `ops.take` made JAX's step twice as slow in
     `benchmarks/optimizer_state_memory.py`; PyTorch's in-place update
-    looks them up.)"""
+    looks them up in `e4m3_value_table`.)"""
     code = ops.cast(codes, "int32")
     magnitude = ops.bitwise_and(code, 0x7F)
     subnormal = ops.cast(ops.bitwise_and(magnitude, 7), "float32") * 2.0**-9
@@ -280,21 +378,8 @@ def e4m3_values(codes):
     return ops.where(code >= _SIGN, -value, value)
 
 
-def _code_values():
-    """The float32 value of each of the 256 E4M3 codes, from its bits: the
-    exponent and mantissa fields moved into float32's (the exponent
-    rebiased by +120), subnormal codes as `mantissa * 2**-9`, the NaN codes
-    as float32's quiet NaN with the code's sign (0x7FC00000, 0xFFC00000)."""
-    code = np.arange(256, dtype=np.int32)
-    magnitude = code & 0x7F
-    normal = ((magnitude + _CODE_OFFSET) << 20).view(np.float32)
-    subnormal = (magnitude & 7).astype(np.float32) * np.float32(2.0**-9)
-    value = np.where(magnitude < 8, subnormal, normal)
-    value = np.where(magnitude == _NAN_CODE, np.float32("nan"), value)
-    sign = np.where(code >= _SIGN, np.int32(-(2**31)), np.int32(0))
-    return (value.view(np.int32) | sign).view(np.float32)
-
-
-# The float32 value of each E4M3 code, by its bit pattern (`e4m3_values`
-# in NumPy: PyTorch's in-place optimizer update looks them up).
-E4M3_VALUES = _code_values()
+def e4m3_value_table():
+    """The float32 value of each of the 256 E4M3 codes, by its bit pattern
+    (`e4m3_values` of 0..255): PyTorch's in-place optimizer update looks
+    codes up in it."""
+    return e4m3_values(ops.arange(256, dtype="int32"))

@@ -20,17 +20,18 @@ class Float8Codes:
 
     Args:
         scale_from_amax: `keras_mp._fp8.formats.e4m3_e5m2.scale_from_amax`.
-        values: The float32 values of the 256 codes (a NumPy array), those
-            `e4m3_e5m2.e4m3_values` looks up.
+        values: The float32 value of each of the 256 codes, a tensor
+            (`e4m3_e5m2.e4m3_value_table`).
         block_size: Elements per scale (`state_formats.BLOCK_SIZE`).
+        code_program: `e4m3_e5m2.e4m3_code_program`, the encoder this runs
+            in place (on `_InPlaceLanes`).
     """
 
-    def __init__(self, scale_from_amax, values, block_size):
-        import torch
-
+    def __init__(self, scale_from_amax, values, block_size, code_program):
         self.block_size = block_size
         self._scale_from_amax = scale_from_amax
-        self._table = torch.from_numpy(values.copy())
+        self._table = values
+        self._code_program = code_program
 
     def decode(self, codes, scales, out, ints):
         """`dequantize`: the codes' values times their block's scale, into
@@ -64,37 +65,84 @@ class Float8Codes:
         # y = x / scale
         y.copy_(x)
         _per_block(y, scales, "div_", block)
-        # `e4m3_e5m2.e4m3_bits`, step by step.
-        bits = y.view(torch.int32)
-        torch.bitwise_and(bits, 0x7FFFFFFF, out=i0)  # |y|
-        torch.bitwise_right_shift(i0, 23, out=i1)
-        i1.clamp_(min=121)  # exponent
-        # 127 where the exponent is 255 (inf, NaN), else 0; ORed at the end
-        # with the sign bit, kept in `bits`.
-        torch.add(i1, 1, out=i2)
-        i2.bitwise_right_shift_(8).mul_(127)
-        bits.bitwise_right_shift_(24).bitwise_and_(0x80).bitwise_or_(i2)
-        # steps = |y| * 2**(3 - e)
-        torch.sub(257, i1, out=i2)
-        i2.bitwise_left_shift_(23)
-        steps = i0.view(torch.float32)
-        steps.mul_(i2.view(torch.float32))
-        if key is not None:
-            torch.add(index, key, out=i2)
-            fused_batches.hash32_in_place(i2, i3)
-            i2.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
-            uniform = i3.view(torch.float32)
-            uniform.copy_(i2)
-            uniform.mul_(2.0**-24)
-            steps.add_(uniform)
-            steps.floor_()
-        # The integer of steps, off the bits of steps + 2**23 (rounded to
-        # nearest there where no key floored it).
-        steps.add_(2.0**23)
-        torch.sub(i0, 0x4B000000, out=i2)
-        i1.sub_(121).mul_(8)
-        i2.add_(i1).clamp_(0, 126).bitwise_or_(bits)
-        codes.copy_(i2)
+        # `e4m3_e5m2.e4m3_bits`' program, in place.
+        lanes = _InPlaceLanes(index, key)
+        codes.copy_(
+            self._code_program(lanes, y, ints, stochastic=key is not None)
+        )
+
+
+class _InPlaceLanes:
+    """Runs `e4m3_e5m2.e4m3_code_program` on torch tensors in place: each
+    step writes into its output tensor (`out=`, or the in-place method
+    where the output is the input), and `ints`/`floats` are views."""
+
+    def __init__(self, index, key):
+        self._index = index
+        self._key = key
+
+    add = staticmethod(lambda out, a, b: _step("add", out, a, b))
+    subtract = staticmethod(lambda out, a, b: _step("sub", out, a, b))
+    multiply = staticmethod(lambda out, a, b: _step("mul", out, a, b))
+    bitwise_and = staticmethod(
+        lambda out, a, b: _step("bitwise_and", out, a, b)
+    )
+    bitwise_or = staticmethod(lambda out, a, b: _step("bitwise_or", out, a, b))
+    right_shift = staticmethod(
+        lambda out, a, b: _step("bitwise_right_shift", out, a, b)
+    )
+    left_shift = staticmethod(
+        lambda out, a, b: _step("bitwise_left_shift", out, a, b)
+    )
+
+    @staticmethod
+    def maximum(out, a, number):
+        _step("clamp", out, a, number)
+
+    @staticmethod
+    def clip(out, a, low, high):
+        import torch
+
+        torch.clamp(a, low, high, out=out)
+
+    @staticmethod
+    def ints(tensor):
+        import torch
+
+        return tensor.view(torch.int32)
+
+    @staticmethod
+    def floats(tensor):
+        import torch
+
+        return tensor.view(torch.float32)
+
+    @staticmethod
+    def to_float(out, a):
+        out.copy_(a)
+
+    @staticmethod
+    def floor(out, a):
+        import torch
+
+        torch.floor(a, out=out)
+
+    def random_bits(self, out, scratch):
+        import torch
+
+        torch.add(self._index, self._key, out=out)
+        fused_batches.hash32_in_place(out, scratch)
+
+
+def _step(name, out, a, b):
+    """`out = name(a, b)` in place: `a.name_(b)` where `out` is `a`, else
+    `torch.name(a, b, out=out)` (`a` may be a Python number)."""
+    import torch
+
+    if out is a:
+        getattr(out, f"{name}_")(b)
+    else:
+        getattr(torch, name)(a, b, out=out)
 
 
 def _per_block(x, scales, method, block):
