@@ -494,10 +494,19 @@ def test_torch_scaled_mm_calls_pass_the_cuda_layout_checks_on_meta_tensors(
     fast = [call.get("use_fast_accum", False) for call in calls]
     out_dtypes = [call["out_dtype"] for call in calls]
     if granularity == "rowwise":
-        # Row scales are multiplied after a GEMM of unit scales.
-        assert all(float(s) == 1.0 for c in calls for s in c["scales"])
+        # The forward GEMM (E4M3 x E4M3, a bfloat16 result) takes its row
+        # and column scales and writes bfloat16, as CUDA's rowwise GEMM
+        # does; the gradients' (E5M2 x E4M3: CUDA has no rowwise GEMM of
+        # them) are multiplied by theirs after a GEMM of unit scales.
         assert fast == [False] * 3
-        assert out_dtypes == [torch.float32] * 3
+        assert out_dtypes == [torch.bfloat16, torch.float32, torch.float32]
+        _, sx = fp8.quantize(x16, "e4m3", "rowwise", axis=1)
+        _, sw = fp8.quantize(kernel, "e4m3", "rowwise", axis=0)
+        row, column = calls[0]["scales"]
+        assert tuple(row.shape) == (32, 1) and tuple(column.shape) == (1, 48)
+        np.testing.assert_array_equal(to_numpy(row), to_numpy(sx))
+        np.testing.assert_array_equal(to_numpy(column), to_numpy(sw))
+        assert all(float(s) == 1.0 for c in calls[1:] for s in c["scales"])
         return
     # The forward GEMM alone accumulates fast; each GEMM takes its scales
     # (sx * sw as one factor) and writes the dtype of its result: the
@@ -517,6 +526,40 @@ def test_torch_scaled_mm_calls_pass_the_cuda_layout_checks_on_meta_tensors(
         float(sx) * float(sg),
     ]
     assert all(float(call["scales"][1]) == 1.0 for call in calls)
+
+
+@pytest.mark.backends("torch")
+@pytest.mark.parametrize("formats", ["hybrid", "e4m3"])
+def test_torch_rowwise_scales_in_the_gemm_give_the_values_paths_bits(
+    formats, monkeypatch
+):
+    """Rowwise GEMMs whose row and column scales go into `_scaled_mm`
+    (E4M3 x E4M3 into bfloat16; with `formats="e4m3"` all three GEMMs)
+    give the bits of the CPU's values path, which multiplies a float32
+    product by them; `ROWWISE_SCALES_IN_GEMM` off gives them too."""
+    from keras_mp.backend import fp8 as backend_fp8
+
+    recipe = fp8.Recipe(granularity="rowwise", formats=formats)
+    x, kernel, g = _operands(32, 64, 48, seed=11)
+    x16, kernel16 = (ops.convert_to_tensor(t, "bfloat16") for t in (x, kernel))
+
+    def run():
+        return _run(lambda a, b: fp8.dot(a, b, recipe), x16, kernel16, g)
+
+    values = run()
+    calls = _record_scaled_mm(monkeypatch)
+    in_gemm = run()
+    epilogues = [c for c in calls if tuple(c["scales"][0].shape) != ()]
+    assert len(epilogues) == (3 if formats == "e4m3" else 1)
+    monkeypatch.setattr(backend_fp8, "ROWWISE_SCALES_IN_GEMM", False)
+    calls.clear()
+    after = run()
+    assert len(calls) == 3
+    assert all(tuple(c["scales"][0].shape) == () for c in calls)
+    for a, b, c in zip(in_gemm, values, after):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
+        np.testing.assert_array_equal(to_numpy(c), to_numpy(b))
 
 
 @pytest.mark.backends("torch")

@@ -279,7 +279,7 @@ def _torch_matrices(equation, a, b):
     return a, b, transpose_out
 
 
-def _torch_scaled_mm(a, b, scale, out_dtype, fast_accumulation):
+def _torch_scaled_mm(a, b, scale, out_dtype, fast_accumulation, scale_b=None):
     import torch
 
     # Row-major A, column-major B: the layout cuBLASLt's FP8 GEMM takes
@@ -290,12 +290,13 @@ def _torch_scaled_mm(a, b, scale, out_dtype, fast_accumulation):
         a = a.contiguous()
     if not b.t().is_contiguous():
         b = b.t().contiguous().t()
-    one = torch.ones((), dtype=torch.float32, device=a.device)
+    if scale_b is None:
+        scale_b = torch.ones((), dtype=torch.float32, device=a.device)
     return torch._scaled_mm(
         a,
         b,
         scale,
-        one,
+        scale_b,
         out_dtype=out_dtype,
         use_fast_accum=fast_accumulation,
     )
@@ -378,6 +379,88 @@ def _torch_scaled_product(
     factor = factor.to(device=a.device, dtype=torch.float32).reshape(())
     out = _torch_scaled_mm(a, b, factor, out_dtype, fast_accumulation)
     return out.t() if transpose_out else out
+
+
+# Whether PyTorch's rowwise GEMMs take their row and column scales in
+# `_scaled_mm`'s epilogue (`outer_scaled_einsum`); off, they multiply a
+# float32 product after (a GPU benchmark times the two).
+ROWWISE_SCALES_IN_GEMM = True
+
+
+def outer_scaled_einsum(
+    equation, a, b, row_scale, column_scale, result_dtype="float32"
+):
+    """`einsum_float32(equation, a, b, result_dtype)` times `row_scale`
+    (one per row of the result, `(M, 1)`) and `column_scale` (`(1, N)`).
+
+    On PyTorch where `torch._scaled_mm` takes them (E4M3 operands, a
+    bfloat16 result: its rowwise GEMM on CUDA), the scales are its row and
+    column scales and it writes bfloat16 itself: float32 `sum * row *
+    column` rounded once, the bits of the float32 product times the scales
+    (powers of two: exact), cast, without three passes over the result.
+    Elsewhere the product is multiplied after, in float32.
+
+    Args:
+        equation: A 2-D matrix product whose result is not transposed, e.g.
+            `"mk,kn->mn"` or `"mn,kn->mk"` (others go through
+            `einsum_float32`).
+        a: What `einsum_float32` takes.
+        b: The same, for the second operand.
+        row_scale: float32 `(M, 1)` powers of two.
+        column_scale: float32 `(1, N)` powers of two.
+        result_dtype: The dtype the caller casts the result to. Defaults
+            to `"float32"`.
+
+    Returns:
+        A float32 tensor, or a bfloat16 one where the GEMM wrote it.
+    """
+    if keras.backend.backend() == "torch" and ROWWISE_SCALES_IN_GEMM:
+        out = _torch_rowwise_product(
+            equation, a, b, row_scale, column_scale, result_dtype
+        )
+        if out is not None:
+            return out
+    product = einsum_float32(equation, a, b, result_dtype)
+    return keras.ops.cast(product, "float32") * row_scale * column_scale
+
+
+def _torch_rowwise_product(equation, a, b, row_scale, column_scale, dtype):
+    """`_scaled_mm` with row and column scales, or None where the rowwise
+    GEMM of CUDA (sm89/sm90: E4M3 x E4M3, bfloat16 out) would not take it:
+    the CPU emulation checks the same rules, so that a CPU counts what a
+    GPU runs."""
+    import torch
+
+    matrices = _torch_matrices(equation, a, b)
+    if matrices is None or dtype != "bfloat16":
+        return None
+    a, b, transpose_out = matrices
+    e4m3 = torch.float8_e4m3fn
+    if (
+        transpose_out
+        or a.dtype != e4m3
+        or b.dtype != e4m3
+        or not _torch_scaled_mm_applies(a, b)
+    ):
+        return None
+    return _torch_scaled_mm(
+        a,
+        b,
+        _scale_vector(row_scale, (a.shape[0], 1), a.device),
+        torch.bfloat16,
+        False,
+        scale_b=_scale_vector(column_scale, (1, b.shape[1]), a.device),
+    )
+
+
+def _scale_vector(scale, shape, device):
+    """float32 `scale` as `_scaled_mm` takes a row or column of scales:
+    `shape`, each stride 1 where its size is (a view where the values
+    already are consecutive)."""
+    import torch
+
+    flat = scale.to(device=device, dtype=torch.float32).reshape(-1)
+    return flat.contiguous().view(shape)
 
 
 def has_layouts(x):

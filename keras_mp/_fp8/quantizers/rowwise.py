@@ -13,7 +13,6 @@ from keras_mp._fp8.quantizers.base import ROW
 from keras_mp._fp8.quantizers.base import Quantizer
 from keras_mp._fp8.quantizers.base import kernel_operand
 from keras_mp._fp8.quantizers.base import operand
-from keras_mp._fp8.quantizers.base import scaled
 from keras_mp.backend import fp8 as fp8_backend
 
 
@@ -35,10 +34,9 @@ class Rowwise(Quantizer):
         call.observe("input", x, sx, fmt)
         call.observe("kernel", w, sw, fmt)
         call.saved.update(w=w)
-        product = fp8_backend.einsum_float32(
-            "mk,kn->mn", cx, cw, call.dtypes.out
+        return fp8_backend.outer_scaled_einsum(
+            "mk,kn->mn", cx, cw, sx, sw, call.dtypes.out
         )
-        return scaled(product, sx) * sw
 
     def input_gradient(self, call, g):
         fmt, margin = call.backward_format, call.margin
@@ -46,8 +44,9 @@ class Rowwise(Quantizer):
         call.observe("output_gradient", g, sg, fmt)
         w = call.saved["w"]
         (cw_n,), sw_n = kernel_operand(w, call.forward_format, 1, margin, ROW)
-        dx = fp8_backend.einsum_float32("mn,kn->mk", cg, cw_n, call.dtypes.dx)
-        return scaled(dx, sg) * ops.transpose(sw_n)  # sw_n: (K, 1)
+        return fp8_backend.outer_scaled_einsum(  # sw_n: (K, 1)
+            "mn,kn->mk", cg, cw_n, sg, ops.transpose(sw_n), call.dtypes.dx
+        )
 
     def kernel_gradient(self, call, g):
         # (1, K) and (1, N): x^T is the A of the kernel gradient, g its B.
@@ -57,5 +56,6 @@ class Rowwise(Quantizer):
         (cg_m,), sg_m = operand(
             g, call.backward_format, 0, margin, None, COLUMN
         )
-        dw = fp8_backend.einsum_float32("mk,mn->kn", cx_m, cg_m, call.dtypes.dw)
-        return scaled(dw, ops.transpose(sx_m)) * sg_m
+        return fp8_backend.outer_scaled_einsum(
+            "mk,mn->kn", cx_m, cg_m, ops.transpose(sx_m), sg_m, call.dtypes.dw
+        )
