@@ -101,6 +101,14 @@ def test_smoke_runs_every_section_and_writes_the_table(tmp_path):
         assert 8 <= state["float32"] < 8.1, state
         assert 4 <= state["bfloat16"] < 4.1, state
         assert 2 <= state["float8"] < 2.3, state
+        # Kernel launches a step, counted as the CPU tests count them: the
+        # float8 state's update launches more than the bfloat16 state's.
+        launches = row["launches_per_step"]
+        assert 0 < launches["bfloat16"] < launches["float8"], launches
+        assert "launches_per_step" in table
+        (row,) = result["sections"]["decoder"]["rows"]
+        launches = row["launches_per_step"]
+        assert 0 < launches["bf16"] < launches["fp8_delayed"], launches
 
 
 def test_audit_counts_the_gemms_of_an_optimized_module():

@@ -822,6 +822,21 @@ def step_syncs(model, batch):
     return syncs if cuda is None else f"{syncs} counted, {cuda} CUDA"
 
 
+def step_launches(model, batch):
+    """Kernel launches of one `train_on_batch` step on torch, counted as
+    the CPU tests count them (`keras_mp.testing.count_torch_launches`: one
+    per ATen operation that queues a kernel, one per Triton launch); None
+    on JAX."""
+    if backend() != "torch":
+        return None
+    from keras_mp.testing import count_torch_launches
+
+    x, y = batch
+    with count_torch_launches() as count:
+        model.train_on_batch(x, y)
+    return count.launches
+
+
 # Where the profiled calls go ({"<section> <variant>": what
 # `profile_call` gave}): into the JSON beside the sections and the log.
 PROFILES = {}
@@ -966,12 +981,14 @@ def section_decoder(clock, smoke):
         # The variants differ only in their recipe: two keep the path alive.
         recipes = {n: recipes[n] for n in ("bf16", "fp8_delayed")}
     ms, peaks, resident, fp8_layers, syncs = {}, {}, {}, {}, {}
+    launches = {}
 
     def measure(name, model):
         ms[name], peaks[name], syncs[name] = time_steps(
             model, batch, clock, smoke, count_syncs=True
         )
         resident[name] = resident_gib()
+        launches[name] = step_launches(model, batch)
         keep_profile("decoder", name, lambda: model.train_on_batch(*batch))
         fp8_layers[name] = sum(
             getattr(layer.dtype_policy, "fp8", None) is not None
@@ -1001,6 +1018,7 @@ def section_decoder(clock, smoke):
         resident_gib=_rounded(resident),
         fp8_layers=fp8_layers,
         host_syncs_per_step=syncs if backend() == "torch" else None,
+        launches_per_step=launches if backend() == "torch" else None,
     )
 
 
@@ -1015,10 +1033,12 @@ def section_state(clock, smoke):
     sizes = SIZES["policies"][smoke]
     batch = device_batch(sizes)
     ms, state_bytes, resident, peaks, step_peaks = {}, {}, {}, {}, {}
+    launches = {}
 
     def measure(name, model):
         ms[name], peaks[name], _ = time_steps(model, batch, clock, smoke)
         resident[name] = resident_gib()
+        launches[name] = step_launches(model, batch)
         # After the timing, and only in the section's time: one more
         # compilation of the step (the timings matter more).
         step_peaks[name] = None
@@ -1056,6 +1076,7 @@ def section_state(clock, smoke):
         resident_gib=_rounded(resident),
         peak_gib=_rounded(peaks),
         step_peak_mib=_rounded(step_peaks, 1),
+        launches_per_step=launches if backend() == "torch" else None,
     )
 
 
