@@ -1,7 +1,8 @@
 """`benchmarks/gpu/`: the prepared GPU run cannot rot between GPU runs.
 
 `fp8_speed.py --smoke` runs its sections at toy sizes on the CPU, errors
-re-raised: on PyTorch every section but the JAX-only HLO audit; on JAX the
+re-raised: on PyTorch every section but the JAX-only HLO audit (torchao's
+float8 training on the same decoder, section i, included); on JAX the
 sections with JAX code of their own (GEMMs, quantize, `fp8.dot`, the HLO
 audit); the decoder sections are Keras code alike on both backends, and
 each of their XLA compilations costs seconds on a CPU. The GPT-2 section
@@ -22,7 +23,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GPU = ROOT / "benchmarks" / "gpu"
-SECTIONS = {"torch": "abcdegh", "jax": "abcfgh"}
+SECTIONS = {"torch": "abcdeghi", "jax": "abcfgh"}
 
 
 def _script():
@@ -109,6 +110,17 @@ def test_smoke_runs_every_section_and_writes_the_table(tmp_path):
         (row,) = result["sections"]["decoder"]["rows"]
         launches = row["launches_per_step"]
         assert 0 < launches["bf16"] < launches["fp8_delayed"], launches
+        # The same decoder as a plain PyTorch module under torchao's float8
+        # training: every block's Linear converted, the head left alone
+        # (as keras_mp's default rules leave it), each step timed.
+        (peer,) = result["sections"]["torchao"]["rows"]
+        assert set(peer["ms"]) == {"bf16", "tensorwise", "rowwise"}, peer
+        assert peer["fp8_layers"] == {
+            "bf16": 0,
+            "tensorwise": row["fp8_layers"]["fp8_delayed"],
+            "rowwise": row["fp8_layers"]["fp8_delayed"],
+        }, peer
+        assert peer["ratios"]["keras_mp_bf16/torch_bf16"] > 0, peer
 
 
 def test_audit_counts_the_gemms_of_an_optimized_module():

@@ -122,9 +122,12 @@ WEIGHTS = {
     # models and, on JAX, compiling three 12-layer steps, estimated at 10
     # to 30 s each from the d=4096 4-layer decoders' 10 s.
     "gpt2": 60,
+    # PyTorch only: the decoder as a plain torch module under torchao's
+    # float8 training, eager (and compiled, where the time allows).
+    "torchao": 40,
 }
 SECTIONS = tuple(WEIGHTS)
-LETTERS = dict(zip("abcdefgh", SECTIONS))
+LETTERS = dict(zip("abcdefghi", SECTIONS))
 # The order they run in: the HLO audit (one compilation) before the
 # decoders, whose compilations on JAX can use up what is left; GPT-2 last,
 # with its share and whatever the others left.
@@ -134,6 +137,7 @@ ORDER = (
     "dot",
     "hlo",
     "decoder",
+    "torchao",
     "policies",
     "state",
     "gpt2",
@@ -186,7 +190,7 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--sections",
-        default="abcdefgh",
+        default="".join(LETTERS),
         help="letters of the sections to run (default all)",
     )
     parser.add_argument(
@@ -1007,6 +1011,7 @@ def section_decoder(clock, smoke):
         for name, t in ms.items()
         if name != "bf16" and "bf16" in ms
     }
+    DECODER_MS.update(ms)
     d, heads, layers, seq, b, vocab = sizes
     return rows_of(
         "d",
@@ -1019,6 +1024,158 @@ def section_decoder(clock, smoke):
         fp8_layers=fp8_layers,
         host_syncs_per_step=syncs if backend() == "torch" else None,
         launches_per_step=launches if backend() == "torch" else None,
+    )
+
+
+# The decoder section's step times ({variant: ms}), for the torchao
+# section's keras_mp / torchao ratios (the same decoder, sizes and batch).
+DECODER_MS = {}
+# keras_mp's decoder variant -> torchao's recipe of the same scaling.
+TORCHAO_RECIPES = {"fp8_current": "tensorwise", "fp8_rowwise": "rowwise"}
+
+
+def torch_decoder(d, heads, layers, seq, vocab):
+    """`decoder` as a plain PyTorch module: the same layers, shapes and
+    order (pre-LN blocks without biases, causal attention, exact GELU)."""
+    import torch
+    from torch import nn
+
+    functional = torch.nn.functional
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm_1 = nn.LayerNorm(d, eps=1e-5)
+            self.qkv = nn.Linear(d, 3 * d, bias=False)
+            self.out = nn.Linear(d, d, bias=False)
+            self.norm_2 = nn.LayerNorm(d, eps=1e-5)
+            self.up = nn.Linear(d, 4 * d, bias=False)
+            self.down = nn.Linear(4 * d, d, bias=False)
+
+        def forward(self, x):
+            batch = x.shape[0]
+            qkv = self.qkv(self.norm_1(x)).view(
+                batch, seq, 3, heads, d // heads
+            )
+            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+            attended = functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True
+            )
+            attended = attended.transpose(1, 2).reshape(batch, seq, d)
+            x = x + self.out(attended)
+            return x + self.down(functional.gelu(self.up(self.norm_2(x))))
+
+    class Decoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(vocab, d)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.norm = nn.LayerNorm(d, eps=1e-5)
+            self.head = nn.Linear(d, vocab, bias=False)
+
+        def forward(self, tokens):
+            x = self.embedding(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.norm(x))
+
+    return Decoder()
+
+
+def section_torchao(clock, smoke):
+    """The decoder of section d as a plain PyTorch module, float32
+    weights in a bfloat16 autocast (as mixed_bfloat16), Adam: bf16, and
+    torchao's `convert_to_float8_training` with tensorwise and rowwise
+    scaling (every block's Linear, the head left in bf16 as keras_mp's
+    default rules leave it), eager and, where the section's time allows,
+    `torch.compile`d. Ratios: keras_mp's step over torchao's of the same
+    scaling (section d's times: below 1, keras_mp is faster), and torchao's
+    compiled step over its eager one."""
+    if backend() != "torch":
+        return rows_of("i", "torchao peer", {}, {}, "PyTorch only: skipped")
+    try:
+        import torchao  # noqa: F401
+        from torchao.float8 import Float8LinearConfig
+        from torchao.float8 import convert_to_float8_training
+    except ImportError as error:
+        return rows_of(
+            "i", "torchao peer", {}, {}, f"skipped: no torchao ({error})"
+        )
+    import torch
+
+    sizes = SIZES["decoder"][smoke]
+    d, heads, layers, seq, b, vocab = sizes
+    x, y = device_batch(sizes)
+    device = x.device
+    x, y = x.to(torch.int64), y.to(torch.int64)
+    variants = ["bf16", "tensorwise", "rowwise"]
+    if not smoke:
+        # A CPU's `torch.compile` (C++ codegen) would take the smoke's
+        # minute; the GPU run compiles each recipe once.
+        variants += ["tensorwise_compiled", "rowwise_compiled"]
+    ms, fp8_layers = {}, {}
+
+    def build(name):
+        torch.manual_seed(0)
+        model = torch_decoder(d, heads, layers, seq, vocab).to(device)
+        recipe = name.split("_")[0]
+        if recipe != "bf16":
+            convert_to_float8_training(
+                model,
+                config=Float8LinearConfig.from_recipe_name(recipe),
+                module_filter_fn=lambda module, fqn: fqn != "head",
+            )
+        fp8_layers[name] = sum(
+            type(m).__name__ == "Float8Linear" for m in model.modules()
+        )
+        optimizer = torch.optim.Adam(model.parameters(), 1e-4, foreach=True)
+        forward = torch.compile(model) if "compiled" in name else model
+
+        def step():
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                logits = forward(x)
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().reshape(-1, vocab), y.reshape(-1)
+            )
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return step
+
+    def measure(name, step):
+        for _ in range(WARMUP[smoke]):
+            step()
+        synchronize()
+        times = []
+        for _ in range(STEPS[smoke]):
+            start = time.perf_counter()
+            step()
+            synchronize()
+            times.append(time.perf_counter() - start)
+            if len(times) >= 2 and time.monotonic() > clock.deadline:
+                break
+        ms[name] = statistics.median(times) * 1e3
+
+    note = each_variant(variants, clock, smoke, build, measure)
+    ratios = {
+        f"keras_mp_{name}/torchao": DECODER_MS[name] / ms[recipe]
+        for name, recipe in TORCHAO_RECIPES.items()
+        if name in DECODER_MS and recipe in ms
+    }
+    if "bf16" in DECODER_MS and "bf16" in ms:
+        ratios["keras_mp_bf16/torch_bf16"] = DECODER_MS["bf16"] / ms["bf16"]
+    for recipe in ("tensorwise", "rowwise"):
+        compiled = f"{recipe}_compiled"
+        if recipe in ms and compiled in ms:
+            ratios[f"torchao_{compiled}/eager"] = ms[compiled] / ms[recipe]
+    return rows_of(
+        "i",
+        f"torchao peer decoder d={d} L={layers} T={seq * b} V={vocab}",
+        ms,
+        ratios,
+        _joined(note, "ratios: step time over step time (below 1: faster)"),
+        fp8_layers=fp8_layers,
     )
 
 
@@ -1444,6 +1601,7 @@ RUNNERS = {
     "hlo": section_hlo,
     "state": section_state,
     "gpt2": section_gpt2,
+    "torchao": section_torchao,
 }
 
 

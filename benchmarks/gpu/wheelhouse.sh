@@ -34,6 +34,11 @@ download() {
 download "keras==$KERAS_VERSION"
 # shellcheck disable=SC2086
 download --no-deps $HUB_PINS
+# torchao, section i's PyTorch peer, at this environment's version (CI's
+# constraint); pure Python for float8 training, without dependencies.
+TORCHAO_PIN="$("$PYTHON" -c 'import importlib.metadata as m
+print("torchao==" + m.version("torchao"))')"
+download --no-deps "$TORCHAO_PIN"
 "$PYTHON" -m pip wheel --quiet --no-deps --no-build-isolation \
   --wheel-dir "$WHEELS" "$ROOT"
 ls -l "$WHEELS"
