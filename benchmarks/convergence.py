@@ -338,13 +338,16 @@ def target_of(name, baseline_loss):
     return TARGETS[name]
 
 
-def format_table(args, finals):
-    """The markdown table of final eval losses and gaps, over seeds."""
+def format_table(args, finals, quantized):
+    """The markdown table of final eval losses and gaps, over seeds, with
+    each variant's quantized GEMM layers (`quantized`). An FP8 variant
+    whose rules quantized no layer at this size is mixed_bfloat16 itself:
+    its target reads "n/a", never "yes"."""
     baseline = np.array(finals[BASELINE])
     lines = [
-        "| variant | eval loss (mean) | spread | gap to mixed_bfloat16 "
-        "| gap spread | target | met |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| variant | FP8 GEMM layers | eval loss (mean) | spread "
+        "| gap to mixed_bfloat16 | gap spread | target | met |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name in args.variants:
         losses = np.array(finals[name])
@@ -355,15 +358,19 @@ def format_table(args, finals):
         else:
             gap = f"{gaps.mean():+.4f}"
             gap_spread = f"{np.ptp(gaps):.4f}"
+        fp8 = "recipe" in VARIANTS[name] or "keras_float8" in VARIANTS[name]
         if target is None:
             target_text, met = "—", "—"
         else:
             target_text = f"≤ {target:.4f}"
             met = "yes" if gaps.mean() <= target else "no"
+        if fp8 and quantized[name] == 0:
+            met = "n/a: no FP8 layer at this size"
         label = f"{name} (noise floor)" if name == "float32" else name
         lines.append(
-            f"| {label} | {losses.mean():.4f} | {np.ptp(losses):.4f} "
-            f"| {gap} | {gap_spread} | {target_text} | {met} |"
+            f"| {label} | {quantized[name]} | {losses.mean():.4f} "
+            f"| {np.ptp(losses):.4f} | {gap} | {gap_spread} | {target_text} "
+            f"| {met} |"
         )
     return "\n".join(lines)
 
@@ -420,6 +427,7 @@ def main(argv=None):
     eval_set = windows(data["eval"], eval_starts, args.seq_len)
     curves = {name: [] for name in args.variants}
     finals = {name: [] for name in args.variants}
+    layers = {}
     started = time.perf_counter()
     for seed in range(args.seeds):
         weights = initial_weights(args, seed)
@@ -437,6 +445,7 @@ def main(argv=None):
             )
             curves[name].append(curve)
             finals[name].append(curve[-1][1])
+            layers[name] = quantized
             if not np.isfinite(curve[-1][1]):
                 raise RuntimeError(f"{name} seed {seed}: eval loss {curve}")
             print(
@@ -450,8 +459,10 @@ def main(argv=None):
             )
         if seed + 1 < args.seeds:
             # The table so far, should a long run be stopped early.
-            print(f"after {seed + 1} seeds:\n{format_table(args, finals)}")
-    table = format_table(args, finals)
+            print(
+                f"after {seed + 1} seeds:\n{format_table(args, finals, layers)}"
+            )
+    table = format_table(args, finals, layers)
     wall = time.perf_counter() - started
     print(table)
     for name in args.variants:
