@@ -23,7 +23,10 @@ touch the optimizer's tensors, given by the `lanes` that run it:
 - `lanes.store(name, source, readback, scratch)`: stores `source`, and
   leaves in `readback` what `update_step` then reads from the slot;
 - `lanes.maximum(r, other)`, `lanes.add_to_variable(r)`,
-  `lanes.subtract_from_variable(r)`.
+  `lanes.subtract_from_variable(r)`;
+- `lanes.register()`: a fifth register, which only `KerasLanes` gives
+  (Adam's amsgrad on a slot stored as its square root; the fused PyTorch
+  update declines amsgrad on float8 state).
 
 `KerasLanes` runs a rule on one variable with `keras.ops` (each in-place
 step rebinds the register to a new tensor); the fused PyTorch update's
