@@ -542,6 +542,28 @@ FUSED_OPTIMIZERS = {
 }
 
 
+# The 16-bit state settings the fused update and the rules are checked in.
+STATE_SETTINGS = [("bfloat16", True), ("bfloat16", False), ("float16", False)]
+
+
+def _trained_wrapper(name, state_dtype, stochastic_rounding, hook=None):
+    """`_train_mixed_shapes` of `FUSED_OPTIMIZERS[name]` in an
+    `OptimizerWrapper` keeping `state_dtype` (`hook(wrapper)` first, where
+    given): every variable's value, and the wrapper's variables' paths."""
+    # The stochastic rounding seed is drawn when the wrapper is created.
+    keras.utils.set_random_seed(1)
+    optimizer = keras_mp.OptimizerWrapper(
+        FUSED_OPTIMIZERS[name](),
+        state_dtype=state_dtype,
+        stochastic_rounding=stochastic_rounding,
+    )
+    if hook is not None:
+        hook(optimizer)
+    return [to_numpy(v) for v in _train_mixed_shapes(optimizer)], [
+        v.path for v in optimizer.variables
+    ]
+
+
 def _record_fused_updates(monkeypatch):
     """Records what each fused update returned (True: it ran)."""
     from keras_mp.backend.torch import fused_state_update
@@ -584,10 +606,7 @@ def _train_mixed_shapes(optimizer, steps=4):
 
 @pytest.mark.backends("torch")
 @pytest.mark.parametrize("name", sorted(FUSED_OPTIMIZERS))
-@pytest.mark.parametrize(
-    "state_dtype, stochastic_rounding",
-    [("bfloat16", True), ("bfloat16", False), ("float16", False)],
-)
+@pytest.mark.parametrize("state_dtype, stochastic_rounding", STATE_SETTINGS)
 def test_torch_fused_update_is_bit_identical_to_the_update_step_path(
     monkeypatch, name, state_dtype, stochastic_rounding
 ):
@@ -601,16 +620,7 @@ def test_torch_fused_update_is_bit_identical_to_the_update_step_path(
 
     def trained(fused):
         monkeypatch.setattr(fused_state_update, "FUSED_TORCH_UPDATES", fused)
-        # The stochastic rounding seed is drawn when the wrapper is created.
-        keras.utils.set_random_seed(1)
-        optimizer = keras_mp.OptimizerWrapper(
-            FUSED_OPTIMIZERS[name](),
-            state_dtype=state_dtype,
-            stochastic_rounding=stochastic_rounding,
-        )
-        return [to_numpy(v) for v in _train_mixed_shapes(optimizer)], [
-            v.path for v in optimizer.variables
-        ]
+        return _trained_wrapper(name, state_dtype, stochastic_rounding)
 
     fused, paths = trained(True)
     assert results and all(results)
@@ -631,10 +641,7 @@ def test_torch_fused_update_is_bit_identical_to_the_update_step_path(
 
 
 @pytest.mark.parametrize("name", sorted(FUSED_OPTIMIZERS))
-@pytest.mark.parametrize(
-    "state_dtype, stochastic_rounding",
-    [("bfloat16", True), ("bfloat16", False), ("float16", False)],
-)
+@pytest.mark.parametrize("state_dtype, stochastic_rounding", STATE_SETTINGS)
 def test_update_rules_through_keras_ops_give_keras_update_step_bits(
     monkeypatch, name, state_dtype, stochastic_rounding
 ):
@@ -649,37 +656,29 @@ def test_update_rules_through_keras_ops_give_keras_update_step_bits(
     rule = update_rules.RULES[name.split("_")[0].replace("adamw", "adam")]
     calls = []
 
-    def trained(own_rule):
-        keras.utils.set_random_seed(1)
-        optimizer = keras_mp.OptimizerWrapper(
-            FUSED_OPTIMIZERS[name](),
-            state_dtype=state_dtype,
-            stochastic_rounding=stochastic_rounding,
-        )
-        if own_rule:
-            inner = optimizer.inner_optimizer
-            slots = optimizer._state_slots
+    def run_the_rule(optimizer):
+        inner = optimizer.inner_optimizer
+        slots = optimizer._state_slots
 
-            def update_step(gradient, variable, learning_rate):
-                calls.append(variable)
-                update_rules.keras_update(
-                    rule,
-                    inner,
-                    slots,
-                    update_rules.Storage(),
-                    gradient,
-                    variable,
-                    learning_rate,
-                )
+        def update_step(gradient, variable, learning_rate):
+            calls.append(variable)
+            update_rules.keras_update(
+                rule,
+                inner,
+                slots,
+                update_rules.Storage(),
+                gradient,
+                variable,
+                learning_rate,
+            )
 
-            inner.__dict__["update_step"] = update_step
-        return [to_numpy(v) for v in _train_mixed_shapes(optimizer)], [
-            v.path for v in optimizer.variables
-        ]
+        inner.__dict__["update_step"] = update_step
 
-    ours, paths = trained(True)
+    ours, paths = _trained_wrapper(
+        name, state_dtype, stochastic_rounding, run_the_rule
+    )
     assert calls
-    keras_own, _ = trained(False)
+    keras_own, _ = _trained_wrapper(name, state_dtype, stochastic_rounding)
     assert any(state_dtype == str(v.dtype) for v in ours) == (name != "sgd")
     for path, a, b in zip(["variables"] * 5 + paths, ours, keras_own):
         assert_bitwise_equal(a, b, path)

@@ -793,20 +793,26 @@ def time_steps(model, batch, clock, smoke, count_syncs=False):
     """(median ms per `train_on_batch` step, peak GiB, host syncs/step)."""
     x, y = batch
     reset_peak()
-    # No clock in the warm-up: a model compiled is measured (two steps at
-    # least); the sections look at the clock before building the next.
+    ms = median_step_ms(lambda: model.train_on_batch(x, y), clock, smoke)
+    syncs = step_syncs(model, batch) if count_syncs else None
+    return ms, peak_gib(), syncs
+
+
+def median_step_ms(step, clock, smoke):
+    """Median ms of `step()` (which returns once its work is done) over
+    `STEPS` calls after `WARMUP`. No clock in the warm-up: a model compiled
+    is measured (two steps at least); the sections look at the clock before
+    building the next."""
     for _ in range(WARMUP[smoke]):
-        model.train_on_batch(x, y)
-    times, syncs = [], None
+        step()
+    times = []
     for _ in range(STEPS[smoke]):
         start = time.perf_counter()
-        model.train_on_batch(x, y)
+        step()
         times.append(time.perf_counter() - start)
         if len(times) >= 2 and time.monotonic() > clock.deadline:
             break
-    if count_syncs:
-        syncs = step_syncs(model, batch)
-    return statistics.median(times) * 1e3, peak_gib(), syncs
+    return statistics.median(times) * 1e3
 
 
 def step_syncs(model, batch):
@@ -1140,22 +1146,13 @@ def section_torchao(clock, smoke):
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            # No value is read on the host: wait for the device.
+            synchronize()
 
         return step
 
     def measure(name, step):
-        for _ in range(WARMUP[smoke]):
-            step()
-        synchronize()
-        times = []
-        for _ in range(STEPS[smoke]):
-            start = time.perf_counter()
-            step()
-            synchronize()
-            times.append(time.perf_counter() - start)
-            if len(times) >= 2 and time.monotonic() > clock.deadline:
-                break
-        ms[name] = statistics.median(times) * 1e3
+        ms[name] = median_step_ms(step, clock, smoke)
 
     note = each_variant(variants, clock, smoke, build, measure)
     ratios = {

@@ -108,6 +108,4 @@ class Float8Adam:
 def is_second_moment(path):
     """Whether the slot variable at `path` is Adam's second moment (its
     codes hold the square root), from Keras's slot names."""
-    return any(
-        path.endswith(f"_{name}") for name, root in ADAM_SLOTS.items() if root
-    )
+    return any(path.endswith(f"_{name}") for name in SECOND_MOMENTS)

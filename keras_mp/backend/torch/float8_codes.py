@@ -72,6 +72,22 @@ class Float8Codes:
         )
 
 
+def _in_place(name):
+    """The step `out = name(a, b)` of `_InPlaceLanes`, in place:
+    `a.name_(b)` where `out` is `a`, else `torch.name(a, b, out=out)` (`a`
+    may be a Python number)."""
+
+    def step(out, a, b):
+        import torch
+
+        if out is a:
+            getattr(out, f"{name}_")(b)
+        else:
+            getattr(torch, name)(a, b, out=out)
+
+    return staticmethod(step)
+
+
 class _InPlaceLanes:
     """Runs `e4m3_e5m2.e4m3_code_program` on torch tensors in place: each
     step writes into its output tensor (`out=`, or the in-place method
@@ -81,23 +97,15 @@ class _InPlaceLanes:
         self._index = index
         self._key = key
 
-    add = staticmethod(lambda out, a, b: _step("add", out, a, b))
-    subtract = staticmethod(lambda out, a, b: _step("sub", out, a, b))
-    multiply = staticmethod(lambda out, a, b: _step("mul", out, a, b))
-    bitwise_and = staticmethod(
-        lambda out, a, b: _step("bitwise_and", out, a, b)
-    )
-    bitwise_or = staticmethod(lambda out, a, b: _step("bitwise_or", out, a, b))
-    right_shift = staticmethod(
-        lambda out, a, b: _step("bitwise_right_shift", out, a, b)
-    )
-    left_shift = staticmethod(
-        lambda out, a, b: _step("bitwise_left_shift", out, a, b)
-    )
-
-    @staticmethod
-    def maximum(out, a, number):
-        _step("clamp", out, a, number)
+    add = _in_place("add")
+    subtract = _in_place("sub")
+    multiply = _in_place("mul")
+    # With a number (the program's only use): `clamp(a, min=number)`.
+    maximum = _in_place("clamp")
+    bitwise_and = _in_place("bitwise_and")
+    bitwise_or = _in_place("bitwise_or")
+    right_shift = _in_place("bitwise_right_shift")
+    left_shift = _in_place("bitwise_left_shift")
 
     @staticmethod
     def clip(out, a, low, high):
@@ -132,17 +140,6 @@ class _InPlaceLanes:
 
         torch.add(self._index, self._key, out=out)
         fused_batches.hash32_in_place(out, scratch)
-
-
-def _step(name, out, a, b):
-    """`out = name(a, b)` in place: `a.name_(b)` where `out` is `a`, else
-    `torch.name(a, b, out=out)` (`a` may be a Python number)."""
-    import torch
-
-    if out is a:
-        getattr(out, f"{name}_")(b)
-    else:
-        getattr(torch, name)(a, b, out=out)
 
 
 def _per_block(x, scales, method, block):
