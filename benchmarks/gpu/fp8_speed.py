@@ -70,6 +70,7 @@ of a directory into `table.md`.
 """
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -615,24 +616,76 @@ def _dot_functions(m, k, n):
         return torch.autograd.grad(y.sum(), (x, w))
 
     functions = {"bf16": bf16}
+    # Issue 46 item 3: the rowwise GEMM with its row and column scales in
+    # `_scaled_mm`'s epilogue (the default), against the GEMM of unit
+    # scales then a multiplication by each (`_post`).
+    recipes["fp8_rowwise_post"] = recipes["fp8_rowwise"]
     for name, recipe in recipes.items():
+        in_gemm = not name.endswith("_post")
 
-        def fp8(recipe=recipe):
-            y = keras_mp.fp8.dot(x, w, recipe, output_dtype="bfloat16")
-            return torch.autograd.grad(y.sum(), (x, w))
+        def fp8(recipe=recipe, in_gemm=in_gemm):
+            with rowwise_scales_in_gemm(in_gemm):
+                y = keras_mp.fp8.dot(x, w, recipe, output_dtype="bfloat16")
+                return (y, *torch.autograd.grad(y.sum(), (x, w)))
 
         functions[name] = fp8
     return functions
+
+
+@contextlib.contextmanager
+def rowwise_scales_in_gemm(on):
+    """`keras_mp.backend.fp8.ROWWISE_SCALES_IN_GEMM` set to `on` inside."""
+    from keras_mp.backend import fp8 as backend_fp8
+
+    before = backend_fp8.ROWWISE_SCALES_IN_GEMM
+    backend_fp8.ROWWISE_SCALES_IN_GEMM = on
+    try:
+        yield
+    finally:
+        backend_fp8.ROWWISE_SCALES_IN_GEMM = before
+
+
+def rowwise_bits_agree(m, k, n):
+    """PyTorch: whether a rowwise `fp8.dot`'s output and both gradients
+    are the same bits with the scales in `_scaled_mm` as after it, per
+    format ({"hybrid": bool, "e4m3": bool}); None elsewhere."""
+    if backend() != "torch":
+        return None
+    import torch
+
+    import keras_mp
+
+    x = _normal((m, k), 3).detach().requires_grad_(True)
+    w = _normal((k, n), 4, "float32", 0.01).detach().requires_grad_(True)
+    agree = {}
+    for formats in ("hybrid", "e4m3"):
+        recipe = keras_mp.fp8.Recipe(granularity="rowwise", formats=formats)
+        results = []
+        for in_gemm in (True, False):
+            with rowwise_scales_in_gemm(in_gemm):
+                y = keras_mp.fp8.dot(x, w, recipe, output_dtype="bfloat16")
+                results.append((y, *torch.autograd.grad(y.sum(), (x, w))))
+        agree[formats] = all(
+            torch.equal(a, b) for a, b in zip(*results, strict=True)
+        )
+    return agree
 
 
 def section_dot(clock, smoke):
     m, k, n = SIZES["dot"][smoke]
     functions = _dot_functions(m, k, n)
     ms, ratios, dropped = paired(functions, clock, smoke)
-    for name in ("bf16", "fp8_tensorwise"):
-        keep_profile("dot", name, functions[name])
+    for name in ("bf16", "fp8_tensorwise", "fp8_rowwise"):
+        if name in functions:
+            keep_profile("dot", name, functions[name])
+    functions = None
     return rows_of(
-        "c", f"fp8.dot fwd+bwd {m}x{k}x{n}", ms, ratios, dropped_note(dropped)
+        "c",
+        f"fp8.dot fwd+bwd {m}x{k}x{n}",
+        ms,
+        ratios,
+        dropped_note(dropped),
+        rowwise_in_gemm_bits_agree=rowwise_bits_agree(m, k, n),
     )
 
 
@@ -987,6 +1040,9 @@ def section_decoder(clock, smoke):
         "fp8_delayed": keras_mp.fp8.Recipe(scaling="delayed"),
         "fp8_rowwise": keras_mp.fp8.Recipe(granularity="rowwise"),
     }
+    if backend() == "torch":
+        # Rowwise with its scales after the GEMM (`rowwise_scales_in_gemm`).
+        recipes["fp8_rowwise_post"] = recipes["fp8_rowwise"]
     if smoke:
         # The variants differ only in their recipe: two keep the path alive.
         recipes = {n: recipes[n] for n in ("bf16", "fp8_delayed")}
@@ -994,6 +1050,10 @@ def section_decoder(clock, smoke):
     launches = {}
 
     def measure(name, model):
+        with rowwise_scales_in_gemm(not name.endswith("_post")):
+            measure_variant(name, model)
+
+    def measure_variant(name, model):
         ms[name], peaks[name], syncs[name] = time_steps(
             model, batch, clock, smoke, count_syncs=True
         )
