@@ -177,6 +177,48 @@ def test_jax_tensorwise_gemms_return_bfloat16_and_take_one_scale_factor():
 
 
 @pytest.mark.backends("jax")
+def test_jax_emulated_block_gemms_ask_for_float32():
+    """MXFP8's and NVFP4's GEMMs multiply float32 values on a GPU without
+    their tensor cores, and cuBLASLt has no float32 GEMM writing bfloat16:
+    an MXFP8 step with a bfloat16 output failed so on an H200. Their
+    GEMMs ask for float32 (the result cast after), FP8 codes' for
+    bfloat16."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(32, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(64, 32)), jnp.float32)
+    expected = {
+        "mxfp8": ["float32"] * 3,
+        "nvfp4": ["float32"] * 3,
+        "tensorwise": ["bfloat16", "bfloat16", "float32"],
+    }
+    recipes = {
+        "mxfp8": fp8.Recipe(formats="mxfp8"),
+        "nvfp4": fp8.Recipe(formats="nvfp4"),
+        "tensorwise": fp8.Recipe(),
+    }
+    for name, recipe in recipes.items():
+
+        def step(x, w, recipe=recipe):
+            out, vjp = jax.vjp(
+                lambda x, w: fp8.dot(x, w, recipe, output_dtype="bfloat16"),
+                x,
+                w,
+            )
+            return out, vjp(out)
+
+        dots = [
+            e
+            for e in _equations(_jaxpr(step, x, w))
+            if e.primitive.name == "dot_general"
+        ]
+        types = sorted(str(e.params["preferred_element_type"]) for e in dots)
+        assert types == expected[name], (name, types)
+
+
+@pytest.mark.backends("jax")
 def test_einsum_reaches_the_gemm_with_one_contracting_dimension():
     import jax
     import jax.extend.core

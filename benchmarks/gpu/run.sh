@@ -32,13 +32,14 @@ PYTHON="${PYTHON:-python3}"
 TORCH_BUDGET="${TORCH_BUDGET:-190}"
 JAX_BUDGET="${JAX_BUDGET:-300}"
 SLACK="${SLACK:-30}"
-# Letters of the sections per backend (fp8_speed.py --sections).
+# Letters of the sections per backend (fp8_speed.py --sections); set
+# empty (TORCH_SECTIONS=), that backend is not run.
 # The GPT-2 section (h) takes a fifth of each budget, and what the others
 # leave (fp8_speed.py's WEIGHTS says how it was sized): the budgets stay.
 # Section i (torchao's float8 training on the same decoder, PyTorch only)
 # runs right after the decoders: run 5's torch sections used 55 s of 190.
-TORCH_SECTIONS="${TORCH_SECTIONS:-abcdefghi}"
-JAX_SECTIONS="${JAX_SECTIONS:-abcdefgh}"
+TORCH_SECTIONS="${TORCH_SECTIONS-abcdefghi}"
+JAX_SECTIONS="${JAX_SECTIONS-abcdefgh}"
 # XLA autotunes each GEMM shape over dozens of Triton kernels: on the
 # H100, 10 s per 8192^3 GEMM and minutes for an FP8 decoder step, which
 # used up the JAX budget before its first decoder. cuBLAS(Lt) serves every

@@ -117,9 +117,10 @@ def einsum_float32(equation, a, b, result_dtype="float32"):
             float32 and rounds once to bfloat16 (FP8 values are exact in
             bfloat16), but in its own order: it may differ from the
             float32 GEMM's sum, rounded, by 1 bfloat16 ulp (seen at K =
-            257 and 1024; tests/fp8_compiler_gemm_test.py); on JAX, and on
-            TensorFlow under XLA, the GEMM returns bfloat16 (a float32 sum
-            rounded once, bit for bit the float32 result rounded on a CPU).
+            257 and 1024; tests/fp8_compiler_gemm_test.py); on JAX, of
+            FP8 codes, and on TensorFlow under XLA, the GEMM returns
+            bfloat16 (a float32 sum rounded once, bit for bit the float32
+            result rounded on a CPU).
             Defaults to `"float32"`.
 
     Returns:
@@ -181,8 +182,15 @@ def _jax_einsum_float32(equation, a, b, result_dtype):
 
     # XLA sums in float32 and rounds once to a bfloat16 result (on a CPU
     # bit for bit the float32 result rounded: tests/fp8_compiler_gemm_test
-    # .py); on a GPU, cuBLASLt's FP8 GEMM writes bfloat16 itself.
-    dtype = jnp.bfloat16 if result_dtype == "bfloat16" else jnp.float32
+    # .py); on a GPU, cuBLASLt's FP8 GEMM writes bfloat16 itself. Only FP8
+    # codes ask for it: MXFP8's and NVFP4's emulated GEMMs multiply float32
+    # values, and cuBLASLt has no float32 GEMM with a bfloat16 result (an
+    # MXFP8 step failed so on an H200, `benchmarks/gpu/results/h200-2026-
+    # 11-28-run6`): theirs stays float32, which the caller casts.
+    narrow = result_dtype == "bfloat16" and all(
+        jnp.dtype(t.dtype).itemsize == 1 for t in (a, b)
+    )
+    dtype = jnp.bfloat16 if narrow else jnp.float32
     return jnp.einsum(equation, a, b, preferred_element_type=dtype)
 
 
