@@ -70,7 +70,25 @@ def parse_args(argv=None):
         "values on the FP8 grid, 4 bytes an element, for its bfloat16 "
         "matmul)",
     )
+    parser.add_argument(
+        "--triton",
+        action="store_true",
+        help="with --gpu-codes, the FP8 operands and scales made by "
+        "keras_mp's Triton kernels, as on a CUDA device, run by Triton's "
+        "interpreter (needs triton, and TRITON_INTERPRET=1 set before the "
+        "process starts; each kernel counts as the one launch it is on a "
+        "GPU)",
+    )
     args = parser.parse_args(argv)
+    if args.triton and not (
+        args.gpu_codes and os.environ.get("TRITON_INTERPRET") == "1"
+    ):
+        parser.error(
+            "--triton runs the CUDA kernels under Triton's interpreter: "
+            "pass --gpu-codes too and set TRITON_INTERPRET=1, e.g. "
+            "`TRITON_INTERPRET=1 python benchmarks/launches_torch.py "
+            "--gpu-codes --triton`"
+        )
     for name in ("steps", "repeats", "width", "layers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
@@ -155,12 +173,17 @@ def main(argv=None):
         from keras_mp.backend import fp8 as backend_fp8
 
         backend_fp8.SCALED_MM_ON_CPU = True
+    if args.triton:
+        from keras_mp.backend.torch import fp8_operands
+
+        fp8_operands.FORCED = "triton"
     print(
         f"keras-hub GPT2CausalLM: {args.layers} layers, width {args.width}, "
         f"batch {BATCH}x{SEQUENCE}, mixed_bfloat16, Adam; "
         f"one train_on_batch after {2 * args.repeats} warm-up steps; "
         + (
             "FP8 codes and _scaled_mm (--gpu-codes)"
+            + (", Triton's kernels (--triton)" if args.triton else "")
             if args.gpu_codes
             else "a CPU's FP8 path"
         )

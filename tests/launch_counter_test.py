@@ -128,3 +128,72 @@ def test_a_triton_launch_counts_one_under_the_interpreter():
     # other launch, and nothing the interpreter runs inside is counted.
     assert triton == {"quantize": 1}, stdout
     assert ops == {"aten::reciprocal": 1}, stdout
+
+
+_DOT_BUDGET_SCRIPT = """
+    import torch
+
+    import keras_mp
+    from keras_mp.backend import fp8 as backend_fp8
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
+    from keras_mp.testing import count_torch_launches
+
+    # The path a CUDA device takes: FP8 codes, `_scaled_mm`, Triton's
+    # kernels (run by the interpreter, counted as the launches they are).
+    backend_fp8.SCALED_MM_ON_CPU = True
+    torch_fp8_operands.FORCED = "triton"
+    x = torch.randn(64, 128, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(128, 96, requires_grad=True)
+
+    def step(product):
+        with torch.no_grad():
+            w.add_(0.0)  # the optimizer's write: the kernel's codes anew
+        y = product()
+        return torch.autograd.grad(y, (x, w), torch.ones_like(y))
+
+    products = {
+        "bf16": lambda: x @ w.to(torch.bfloat16),
+        "tensorwise": lambda: keras_mp.fp8.dot(
+            x, w, keras_mp.fp8.Recipe(), output_dtype="bfloat16"
+        ),
+    }
+    counts = {}
+    for name, product in products.items():
+        step(product)
+        step(product)
+        with count_torch_launches() as count:
+            step(product)
+        counts[name] = (count.launches, dict(count.ops), dict(count.triton))
+    print(counts)
+    """
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton"
+)
+def test_a_tensorwise_fp8_layer_adds_at_most_12_launches_a_step_triton():
+    """Issue 46's first budget: an FP8 current tensorwise GEMM, forward and
+    both gradients with its kernel updated in between, adds at most 12
+    kernel launches to the bf16 GEMM's, counted on a CUDA device's path
+    under the Triton interpreter. Each of its three operands is one
+    reduction, one kernel of its scale and reciprocal
+    (`torch/fp8_operands.scales`) and one of its codes; each GEMM takes
+    its scale factor from one multiply: 10 added. (63 before the scales'
+    kernel: a dozen and a half eager operations an operand.)"""
+    stdout = run_python(
+        _DOT_BUDGET_SCRIPT,
+        env={
+            "TRITON_INTERPRET": "1",
+            "KERAS_BACKEND": "torch",
+            "PYTHONPATH": os.pathsep.join(
+                [str(_ROOT), os.environ.get("PYTHONPATH", "")]
+            ),
+        },
+    )
+    counts = eval(stdout.strip().splitlines()[-1])
+    (bf16, _, _), (fp8, ops, triton) = counts["bf16"], counts["tensorwise"]
+    assert triton == {"scales": 3, "quantize": 3}, counts
+    # A CPU reduces `|x|` in two operations where CUDA runs one infinity
+    # norm (`torch/ops.largest_magnitudes`): the CUDA path's count.
+    fp8 -= ops.get("aten::abs", 0)
+    assert fp8 - bf16 <= 12, counts

@@ -61,6 +61,30 @@ def _assert_layouts(row, column, shape):
     assert column.stride() == (1, shape[0])
 
 
+def test_a_failing_scales_kernel_warns_and_hands_over(monkeypatch):
+    """Where the scales' kernel cannot build, torch's operations make the
+    scales from then on (`scales` gives None), with one warning; the codes'
+    kernel is not given up."""
+    import torch
+
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
+
+    monkeypatch.setattr(torch_fp8_operands, "_failed", set())
+    monkeypatch.setattr(
+        torch_fp8_operands, "implementation_for", lambda x: "triton"
+    )
+
+    def failing(*arguments):
+        raise RuntimeError("no such PTX instruction")
+
+    monkeypatch.setattr(torch_fp8_operands, "_triton_scales", failing)
+    magnitudes = torch.tensor([[3.0]])
+    with pytest.warns(UserWarning, match="kernel of FP8 scales failed"):
+        assert torch_fp8_operands.scales(magnitudes, 8, 0, 1, 254) is None
+    assert torch_fp8_operands._failed == {"triton_scales"}
+    assert torch_fp8_operands.scales(magnitudes, 8, 0, 1, 254) is None
+
+
 @pytest.mark.parametrize("source", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("implementation", ["copy", "compiled"])
@@ -241,3 +265,150 @@ def test_triton_is_never_imported_after_tensorflow(monkeypatch):
     assert not torch_fp8_operands.triton_usable()
     monkeypatch.delitem(sys.modules, "tensorflow")
     assert torch_fp8_operands.triton_usable()
+
+
+_SCALES_SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    import ml_dtypes
+    import numpy as np
+    import torch
+
+    import keras_mp
+    from keras_mp._fp8.formats import e4m3_e5m2
+    from keras_mp.backend import fp8 as backend_fp8
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
+    from keras_mp.backend.torch import ops as torch_ops
+    from keras_mp.testing import fp8_reference as reference
+
+    torch_fp8_operands.FORCED = "triton"
+    failures = []
+    rng = np.random.default_rng(0)
+    patterns = np.arange(2**16, dtype=np.uint16)
+    # Non-negative float32 bit patterns (NaNs among them), and each
+    # format's thresholds one ulp either side, at every exponent.
+    bits = rng.integers(0, 2**31, 100_000, dtype=np.uint32)
+    with np.errstate(over="ignore"):
+        powers = np.exp2(np.arange(-150, 130.0)).astype(np.float32)
+        edges = np.concatenate([448.0 * powers, 57344.0 * powers])
+    edges = edges[np.isfinite(edges) & (edges > 0)].astype(np.float32)
+    up, down = np.float32(np.inf), np.float32(0)
+    edges = np.concatenate(
+        [edges, np.nextafter(edges, down), np.nextafter(edges, up)]
+    )
+    specials = np.array(
+        [0.0, 1e-45, 2.0**-126, 2.0**-127, 3.4e38, np.inf, np.nan], np.float32
+    )
+    sources = {
+        "bfloat16": patterns.view(ml_dtypes.bfloat16).astype(np.float32),
+        "float16": patterns.view(np.float16).astype(np.float32),
+        "float32": np.concatenate([bits.view(np.float32), edges, specials]),
+    }
+    for dtype, values in sources.items():
+        values = np.abs(values)
+        amax = np.where(np.isnan(values), np.float32(np.inf), values)
+        magnitudes = torch.from_numpy(values).to(getattr(torch, dtype))
+        for fmt in ("e4m3", "e5m2"):
+            for margin in (0, 2):
+                exponent, carry = e4m3_e5m2._torch_thresholds(
+                    e4m3_e5m2._threshold(fmt, margin)
+                )
+                for shape in ((-1,), (-1, 1)):
+                    scale, inverse = torch_fp8_operands.scales(
+                        magnitudes.reshape(shape), exponent, carry, 1, 254
+                    )
+                    expected = reference.scale(amax, fmt, margin)
+                    # `torch_ops.amax`'s float32 cast and NaN made inf,
+                    # then `torch_ops.scale_from_amax`.
+                    eager = torch_ops.scale_from_amax(
+                        torch.from_numpy(amax), exponent, carry, 1, 254
+                    ).numpy()
+                    where = (dtype, fmt, margin, shape)
+                    if scale.shape != magnitudes.reshape(shape).shape:
+                        failures.append((*where, "shape"))
+                    scale = scale.reshape(-1).numpy()
+                    for name, want in (("oracle", expected), ("eager", eager)):
+                        wrong = scale.view(np.uint32) != want.view(np.uint32)
+                        if wrong.any():
+                            failures.append((*where, name, values[wrong][:3]))
+                    with np.errstate(divide="ignore"):
+                        reciprocal = np.float32(1.0) / expected
+                    got = inverse.reshape(-1).numpy().view(np.uint32)
+                    if (got != reciprocal.view(np.uint32)).any():
+                        failures.append((*where, "inverse"))
+        # `torch_ops.amax`'s float32 cast and NaN made inf, in the kernel.
+        got = torch_fp8_operands.amaxes(magnitudes).numpy()
+        if (got.view(np.uint32) != amax.view(np.uint32)).any():
+            failures.append((dtype, "amax"))
+        # `torch_ops.scale_from_amax` of float32 amaxes (a NaN gives a NaN
+        # scale), one format per column, as delayed scaling's three
+        # tensors are scaled at once.
+        thresholds = [
+            e4m3_e5m2._threshold(fmt, 1) for fmt in ("e4m3", "e4m3", "e5m2")
+        ]
+        exponent, carry = e4m3_e5m2._torch_thresholds(thresholds)
+        columns = torch.from_numpy(values[: len(values) // 3 * 3]).reshape(-1, 3)
+        torch_fp8_operands.FUSED_SCALES = False
+        eager = torch_ops.scale_from_amax(columns, exponent, carry, 1, 254)
+        torch_fp8_operands.FUSED_SCALES = True
+        got = torch_ops.scale_from_amax(columns, exponent, carry, 1, 254)
+        if not torch.equal(got.view(torch.int32), eager.view(torch.int32)):
+            failures.append((dtype, "columns"))
+
+    # fp8.dot with the scales from the kernel, and from torch's operations:
+    # the same bits, forward and both gradients, tensorwise and rowwise.
+    backend_fp8.SCALED_MM_ON_CPU = True
+    for granularity in ("tensorwise", "rowwise"):
+        recipe = keras_mp.fp8.Recipe(granularity=granularity)
+        for magnitude in (2.0**-30, 1.0, 2.0**40):
+            x = torch.from_numpy(rng.normal(size=(48, 64)) * magnitude)
+            x = x.to(torch.bfloat16).requires_grad_(True)
+            w = torch.from_numpy(rng.normal(size=(64, 32)).astype(np.float32))
+            w = w.requires_grad_(True)
+            results = []
+            for fused in (True, False):
+                torch_fp8_operands.FUSED_SCALES = fused
+                y = keras_mp.fp8.dot(x, w, recipe, output_dtype="bfloat16")
+                results.append((y, *torch.autograd.grad(y.sum(), (x, w))))
+            if not all(torch.equal(a, b) for a, b in zip(*results)):
+                failures.append(("dot", granularity, magnitude))
+    print(failures)
+    sys.exit(1 if failures else 0)
+    """
+)
+
+
+def _interpreted(script):
+    """`script` run in a fresh process under `TRITON_INTERPRET=1` (see
+    `test_the_triton_kernel_writes_both_layouts_under_the_interpreter`)."""
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        KERAS_BACKEND="torch",
+        PYTHONPATH=os.pathsep.join(
+            [str(_ROOT), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton"
+)
+def test_the_triton_scales_kernel_gives_the_oracle_scales_under_the_interpreter():
+    """The scale and its reciprocal of every bfloat16 and float16 magnitude,
+    random float32 ones, each format's thresholds one ulp either side at
+    every exponent, 0, subnormals, inf and NaN, in both formats and with a
+    margin: bit for bit the NumPy oracle's and torch's eager operations';
+    and `fp8.dot` gives the same bits with the kernel's scales as with the
+    eager ones. Integer and float32 operations alone: the interpreter's
+    bits are a GPU's."""
+    result = _interpreted(_SCALES_SCRIPT)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]

@@ -28,6 +28,7 @@ products were within 2.2e-3 of the sum of |products| (forward, E4M3 x E4M3:
 2.2e-4), against float32 rounding (1e-6 of it) on a CPU.
 """
 
+import functools
 import warnings
 
 import keras
@@ -287,6 +288,17 @@ def _torch_matrices(equation, a, b):
     return a, b, transpose_out
 
 
+@functools.cache
+def _unit_scale(device):
+    """A float32 scalar 1 on torch `device`, made once (a `torch.ones` at
+    each GEMM is a kernel launch, 20 us of host time on an H200): the
+    scale of a GEMM operand whose scale is applied elsewhere. Never
+    written."""
+    import torch
+
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
 def _torch_scaled_mm(a, b, scale, out_dtype, fast_accumulation, scale_b=None):
     import torch
 
@@ -299,7 +311,7 @@ def _torch_scaled_mm(a, b, scale, out_dtype, fast_accumulation, scale_b=None):
     if not b.t().is_contiguous():
         b = b.t().contiguous().t()
     if scale_b is None:
-        scale_b = torch.ones((), dtype=torch.float32, device=a.device)
+        scale_b = _unit_scale(a.device)
     return torch._scaled_mm(
         a,
         b,
@@ -323,7 +335,7 @@ def _torch_einsum_float32(equation, a, b, result_dtype):
             a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
         out = a @ b
     elif _torch_scaled_mm_applies(a, b):
-        one = torch.ones((), dtype=torch.float32, device=a.device)
+        one = _unit_scale(a.device)
         out = _torch_scaled_mm(a, b, one, torch.float32, False)
     else:
         out = a.float() @ b.float()
@@ -494,12 +506,28 @@ def reads_16bit(x):
     return has_layouts(x) and dtype in torch_fp8_operands.SOURCE_DTYPES
 
 
-def torch_gemm_operands(x, scale, fmt, layouts):
+def torch_gemm_operands(x, scale, fmt, layouts, inverse=None):
     """FP8 codes of `x / scale` in each layout, in one pass
-    (`keras_mp.backend.torch.fp8_operands.encode`)."""
+    (`keras_mp.backend.torch.fp8_operands.encode`; `inverse`, `1 / scale`,
+    where `torch_operand_scales` gave it)."""
     from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
 
-    return torch_fp8_operands.encode(x, scale, fmt, layouts)
+    return torch_fp8_operands.encode(x, scale, fmt, layouts, inverse)
+
+
+def torch_operand_scales(x, axes, exponent, carry, low, high):
+    """`(scale, inverse)` of 2-D `x`'s largest magnitudes over `axes`, for
+    its GEMM operands (`has_layouts`): `scale_from_amax(amax(x, axes))`
+    and its reciprocal, bit for bit, in one kernel after the reduction
+    where the operands are Triton's (`torch/fp8_operands.scales`); else
+    None. `exponent`, `carry`, `low` and `high` are
+    `torch/ops.scale_from_amax`'s, Python ints."""
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
+
+    if not has_layouts(x):
+        return None
+    magnitudes = torch_ops.largest_magnitudes(x, axes)
+    return torch_fp8_operands.scales(magnitudes, exponent, carry, low, high)
 
 
 def stored_variable(variable):

@@ -14,6 +14,8 @@ These are the primitives every power-of-two quantizer
 scaled values, and the operands a GEMM multiplies.
 """
 
+import functools
+
 import keras
 from keras import ops
 
@@ -51,6 +53,7 @@ def check_float(name, x):
     return dtype
 
 
+@functools.cache
 def _threshold(fmt, margin):
     """`(exponent, mantissa)` of `fmax / 2**margin` as float32 bits: the
     unbiased exponent and the 23 mantissa bits."""
@@ -190,6 +193,20 @@ def quantize_reduced(x, fmt, axes, margin=0, scale=None, layouts=None):
         `(codes, scale)`, the scale with `axes` kept as size-1 dimensions
         (`codes` a tuple where `layouts` is given).
     """
+    if scale is None and layouts is not None:
+        # PyTorch's operands on CUDA: the scale and its reciprocal in one
+        # kernel after the reduction, where a dozen and a half eager
+        # operations each launched one.
+        exponent, carry = _torch_thresholds(_threshold(fmt, margin))
+        fused = backend_fp8.torch_operand_scales(
+            x, axes, exponent, carry, _MIN_EXPONENT, _MAX_EXPONENT
+        )
+        if fused is not None:
+            scale, inverse = fused
+            codes = backend_fp8.torch_gemm_operands(
+                x, scale, fmt, layouts, inverse
+            )
+            return codes, scale
     if scale is None:
         # A NaN counts as inf: the scale must be non-finite.
         amax = backend_fp8.amax(x, axes)

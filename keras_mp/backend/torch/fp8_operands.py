@@ -64,13 +64,18 @@ SOURCE_DTYPES = ("float32", "bfloat16", "float16")
 TRITON_BLOCK = 64
 TRITON_WARPS = 4
 
+# Whether `scales` runs its kernel where `encode` runs Triton's (tests
+# compare the two ways).
+FUSED_SCALES = True
+
 _compiled = None
 _kernel = None
+_scales_kernel = None
 # The implementations that failed in this process: the next one serves.
 _failed = set()
 
 
-def encode(x, scale, fmt, layouts):
+def encode(x, scale, fmt, layouts, inverse=None):
     """FP8 codes of 2-D `x / scale` (in float32), one tensor per layout.
 
     Args:
@@ -80,6 +85,7 @@ def encode(x, scale, fmt, layouts):
         fmt: `"e4m3"` or `"e5m2"`.
         layouts: A tuple of `"row"` (row-major) and `"column"`
             (column-major: strides `(1, rows)`), each at most once.
+        inverse: `1 / scale`, where `scales` gave it, or None.
 
     Returns:
         A tuple of FP8 tensors of `x`'s shape, in the order of `layouts`.
@@ -112,6 +118,7 @@ def encode(x, scale, fmt, layouts):
     scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     arguments = (x, scale, fmax, dtype, keeps_inf, layouts)
     if implementation == "triton":
+        arguments = (*arguments, inverse)
         written = _falling_back("triton", _triton_encode, arguments, fmt)
     elif implementation == "compiled":
         written = _falling_back("compiled", _compiled_encode, arguments, fmt)
@@ -179,8 +186,8 @@ def _falling_back(implementation, function, arguments, fmt):
             "versions.",
             stacklevel=3,
         )
-        x, scale, *_, layouts = arguments
-        return encode(x, scale, fmt, layouts)
+        x, scale, *_ = arguments
+        return encode(x, scale, fmt, arguments[5])
 
 
 def encode_layouts(x, scale, fmax, dtype, keeps_inf, layouts):
@@ -216,7 +223,7 @@ def _compiled_encode(x, scale, fmax, dtype, keeps_inf, layouts):
     return _compiled(x, scale, fmax, dtype, keeps_inf, layouts)
 
 
-def _triton_encode(x, scale, fmax, dtype, keeps_inf, layouts):
+def _triton_encode(x, scale, fmax, dtype, keeps_inf, layouts, inverse=None):
     import torch
     import triton
 
@@ -224,7 +231,9 @@ def _triton_encode(x, scale, fmax, dtype, keeps_inf, layouts):
     rows, columns = x.shape
     # A power of two's reciprocal is exact (inf's is 0: x * 0 is x / inf,
     # 0 or NaN), and a multiply is cheaper than a division.
-    inverse = torch.reciprocal(scale).expand(rows, columns)
+    if inverse is None:
+        inverse = torch.reciprocal(scale)
+    inverse = inverse.expand(rows, columns)
     outputs = {
         layout: torch.empty_strided(
             (rows, columns),
@@ -330,3 +339,183 @@ def _triton_kernel():
 
     _kernel = quantize
     return _kernel
+
+
+def scales(magnitudes, exponent, carry, low, high, inverse=True, amax=False):
+    """`(scale, inverse)` of the largest magnitudes `magnitudes` (a torch
+    tensor of any float dtype and shape, NaN where a NaN was among them:
+    `torch/ops.largest_magnitudes`) in one kernel launch, where `encode`
+    runs Triton's kernel; else None.
+
+    `scale` is `torch/ops.scale_from_amax(amax(...), exponent, carry, low,
+    high)` bit for bit, of the magnitudes made float32 and NaN made inf
+    (`torch/ops.amax`), and `inverse` its reciprocal (exact: a power of
+    two, 0 for inf, NaN for NaN), both float32 of `magnitudes`' shape:
+    the dozen and a half small eager operations between an operand's
+    reduction and its cast, each a kernel launch (about 20 us of host time
+    on an H200), made one. `exponent` and `carry` are Python ints, or
+    int32 tensors of one value per position of the last axis (several
+    formats' scales at once). With `inverse=False`, the scale alone; with
+    `amax=True`, `magnitudes` are float32 amaxes already
+    (`torch/ops.scale_from_amax`'s argument), a NaN among them giving a
+    NaN scale.
+    """
+    outputs = ("scale", "inverse") if inverse else ("scale",)
+    fused = _fused(magnitudes, outputs, exponent, carry, low, high, not amax)
+    if fused is None:
+        return None
+    return fused if inverse else fused[0]
+
+
+def amaxes(magnitudes):
+    """`torch/ops.amax`'s result of the largest magnitudes `magnitudes`
+    (`torch/ops.largest_magnitudes`): made float32 and NaN made inf, in one
+    kernel launch (where its eager operations take four) where `encode`
+    runs Triton's kernel; else None."""
+    fused = _fused(magnitudes, ("amax",), 0, 0, 0, 0, True)
+    return None if fused is None else fused[0]
+
+
+def _fused(magnitudes, outputs, exponent, carry, low, high, nan_as_inf):
+    """The float32 `outputs` of `_scales_kernel`, or None where it is not
+    the implementation (or failed to build: a warning, once)."""
+    if not FUSED_SCALES or implementation_for(magnitudes) != "triton":
+        return None
+    if "triton_scales" in _failed:
+        return None
+    try:
+        return _triton_scales(
+            magnitudes, outputs, exponent, carry, low, high, nan_as_inf
+        )
+    except Exception as error:  # noqa: BLE001 - any kernel build failure
+        if FORCED is not None:
+            raise
+        _failed.add("triton_scales")
+        warnings.warn(
+            "keras_mp FP8 on PyTorch: the Triton kernel of FP8 scales "
+            f"failed ({type(error).__name__}: {error}); torch's operations "
+            "take over from now on (the same scales, more kernel "
+            "launches). Report it with your torch and triton versions.",
+            stacklevel=3,
+        )
+        return None
+
+
+def _triton_scales(magnitudes, outputs, exponent, carry, low, high, nan_as_inf):
+    import torch
+    import triton
+
+    kernel = _triton_scales_kernel()
+    flat = magnitudes.reshape(-1)
+    bfloat16 = flat.dtype == torch.bfloat16
+    if bfloat16:
+        # Made float32 from the bits (Triton's interpreter flushes
+        # bfloat16's subnormals in a cast).
+        flat = flat.view(torch.int16)
+    written = {
+        name: torch.empty(
+            magnitudes.shape, dtype=torch.float32, device=magnitudes.device
+        )
+        for name in outputs
+    }
+    # A stand-in for the outputs not asked for (never written).
+    first = written[outputs[0]]
+    vector = isinstance(exponent, torch.Tensor)
+    if vector and exponent.device != magnitudes.device:
+        # Keras's device holds the thresholds; the kernel reads them on
+        # the amaxes' own.
+        exponent = exponent.to(magnitudes.device)
+        carry = carry.to(magnitudes.device)
+    size = flat.numel()
+    block = min(1024, triton.next_power_of_2(max(size, 1)))
+    kernel[(triton.cdiv(size, block),)](
+        flat,
+        written.get("amax", first),
+        written.get("scale", first),
+        written.get("inverse", first),
+        exponent if vector else first,
+        carry if vector else first,
+        size,
+        magnitudes.shape[-1] if magnitudes.ndim else 1,
+        0 if vector else exponent,
+        0 if vector else carry,
+        low,
+        high,
+        BFLOAT16=bfloat16,
+        NAN_AS_INF=nan_as_inf,
+        VECTOR=vector,
+        AMAX="amax" in written,
+        SCALE="scale" in written,
+        INVERSE="inverse" in written,
+        BLOCK=block,
+    )
+    return tuple(written[name] for name in outputs)
+
+
+def _triton_scales_kernel():
+    global _scales_kernel
+    if _scales_kernel is not None:
+        return _scales_kernel
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scales(
+        magnitudes_ptr,
+        amax_ptr,
+        scale_ptr,
+        inverse_ptr,
+        exponent_ptr,
+        carry_ptr,
+        size,
+        last,
+        exponent,
+        carry,
+        low,
+        high,
+        BFLOAT16: tl.constexpr,
+        NAN_AS_INF: tl.constexpr,
+        VECTOR: tl.constexpr,
+        AMAX: tl.constexpr,
+        SCALE: tl.constexpr,
+        INVERSE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < size
+        if BFLOAT16:
+            # A bfloat16's bits are a float32's upper half.
+            half = tl.load(magnitudes_ptr + i, mask=mask, other=0)
+            amax = ((half.to(tl.int32) & 0xFFFF) << 16).to(
+                tl.float32, bitcast=True
+            )
+        else:
+            amax = tl.load(magnitudes_ptr + i, mask=mask, other=0.0)
+            amax = amax.to(tl.float32)
+        if NAN_AS_INF:
+            # `torch/ops.amax`: a NaN counts as inf.
+            amax = tl.where(amax != amax, float("inf"), amax)
+        if AMAX:
+            tl.store(amax_ptr + i, amax, mask=mask)
+        if SCALE:
+            if VECTOR:
+                # One format's thresholds per position of the last axis.
+                column = i % last
+                exponent = tl.load(exponent_ptr + column, mask=mask, other=0)
+                carry = tl.load(carry_ptr + column, mask=mask, other=0)
+            # `torch/ops.scale_from_amax`, step for step.
+            bits = tl.minimum(amax.to(tl.int32, bitcast=True), 0x7F800000)
+            biased = (bits + carry) >> 23
+            biased = tl.minimum(tl.maximum(biased - exponent, low), high)
+            scale = (biased << 23).to(tl.float32, bitcast=True)
+            scale = tl.where(amax == 0.0, 1.0, scale)
+            # A non-finite amax is its own scale.
+            finite = (amax == amax) & (amax != float("inf"))
+            scale = tl.where(finite, scale, amax)
+            tl.store(scale_ptr + i, scale, mask=mask)
+            if INVERSE:
+                inverse = tl.math.div_rn(1.0, scale)
+                tl.store(inverse_ptr + i, inverse, mask=mask)
+
+    _scales_kernel = scales
+    return _scales_kernel

@@ -13,6 +13,7 @@ inside the functions: the module loads on every backend.
 import keras
 
 from keras_mp import _keras_internals
+from keras_mp.backend.torch import fp8_operands
 
 
 def amax(x, axis):
@@ -22,24 +23,35 @@ def amax(x, axis):
     result: torch's max propagates NaN)."""
     import torch
 
+    magnitudes = largest_magnitudes(x, axis)
+    # One kernel after the reduction where Triton makes the FP8 operands.
+    fused = fp8_operands.amaxes(magnitudes)
+    if fused is not None:
+        return fused
+    # A 16-bit `x`'s amax is one of its values: exact in float32.
+    result = magnitudes.to(torch.float32)
+    return torch.where(torch.isnan(result), float("inf"), result)
+
+
+def largest_magnitudes(x, axis):
+    """The largest `|x|` over `axis` (an int, a tuple, or None for every
+    axis) of a torch tensor, kept as size-1 dimensions, in `x`'s dtype,
+    NaN where a NaN is among them: `amax` before its float32 cast and its
+    NaN made inf (which `torch/fp8_operands.scales` does in its kernel)."""
+    import torch
+
     if axis is None:
         axis = tuple(range(x.ndim))
     if x.device.type == "cpu":
         # The CPU's infinity norm is 20x slower than this (0.67 against
         # 0.034 ms for 2048x128 float32, one thread).
-        result = torch.amax(torch.abs(x), dim=axis, keepdim=True)
-    else:
-        # The infinity norm is the largest `|x|`, exactly, in one read
-        # (where `amax(abs(x))` writes and reads a tensor of `|x|`); NaN
-        # propagates. On an H100 `fp8.dot`'s forward and backward went
-        # from 0.87x to 1.01x bfloat16's with it (and the other changes
-        # between the two runs of `benchmarks/gpu/run.sh`).
-        result = torch.linalg.vector_norm(
-            x, ord=float("inf"), dim=axis, keepdim=True
-        )
-    # A 16-bit `x`'s amax is one of its values: exact in float32.
-    result = result.to(torch.float32)
-    return torch.where(torch.isnan(result), float("inf"), result)
+        return torch.amax(torch.abs(x), dim=axis, keepdim=True)
+    # The infinity norm is the largest `|x|`, exactly, in one read (where
+    # `amax(abs(x))` writes and reads a tensor of `|x|`); NaN propagates.
+    # On an H100 `fp8.dot`'s forward and backward went from 0.87x to 1.01x
+    # bfloat16's with it (and the other changes between the two runs of
+    # `benchmarks/gpu/run.sh`).
+    return torch.linalg.vector_norm(x, ord=float("inf"), dim=axis, keepdim=True)
 
 
 def one_hot(index, depth):
@@ -135,6 +147,14 @@ def scale_from_amax(amax, exponent, carry, low, high):
     from the host)."""
     import torch
 
+    if amax.dtype == torch.float32:
+        # One kernel where Triton makes the FP8 operands (a dozen
+        # operations' launches below).
+        fused = fp8_operands.scales(
+            amax, exponent, carry, low, high, False, True
+        )
+        if fused is not None:
+            return fused
     if amax.dtype != torch.float32:
         amax = amax.to(torch.float32)
     # Adding `carry` to the bits carries into the exponent exactly where
