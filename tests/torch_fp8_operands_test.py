@@ -61,6 +61,63 @@ def _assert_layouts(row, column, shape):
     assert column.stride() == (1, shape[0])
 
 
+def test_failing_delayed_kernels_warn_and_hand_over(monkeypatch):
+    """Where delayed scaling's kernels cannot build, torch's operations
+    fold the carrier and make its gradient from then on, with one warning
+    each, and the same values."""
+    import torch
+
+    import keras_mp
+    from keras_mp._fp8 import delayed
+    from keras_mp._fp8 import stats
+    from keras_mp.backend.torch import delayed as torch_delayed
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
+
+    monkeypatch.setattr(torch_fp8_operands, "_failed", set())
+    monkeypatch.setattr(
+        torch_fp8_operands, "implementation_for", lambda x: "triton"
+    )
+
+    def failing(*arguments):
+        raise RuntimeError("no such PTX instruction")
+
+    monkeypatch.setattr(torch_delayed, "_triton_fold", failing)
+    monkeypatch.setattr(torch_delayed, "_triton_carrier_gradient", failing)
+    # The scales' kernel is not under test: torch's operations make them.
+    monkeypatch.setattr(torch_fp8_operands, "_triton_scales", failing)
+    torch_fp8_operands._failed.add("triton_scales")
+    recipe = keras_mp.fp8.Recipe(scaling="delayed")
+    carrier = torch.zeros(delayed.CARRIER_SHAPE)
+    carrier[:, 300] = 1.0
+    carrier[0, delayed.PARITY] = 1.0
+    history = torch.zeros((3, 4))
+    with pytest.warns(UserWarning, match="kernel of delayed scaling's fold"):
+        folded, folds, scaling = delayed.fold_and_scaling(
+            history, torch.tensor(0, dtype=torch.int32), carrier, recipe
+        )
+    assert int(folds) == 1
+    # Bin 300: biased exponent 150, 2**23.
+    assert folded[:, 0].tolist() == [2.0**23] * 3
+    amaxes = [torch.tensor([[3.0]])] * 3
+    arguments = (
+        amaxes,
+        (1.0, 2.0, 3.0),
+        torch.tensor([0.0, 1.0]),
+        stats.HISTOGRAM_BINS,
+        stats.MANTISSA_ABOVE_1_75,
+        delayed.CARRIER_WIDTH,
+        delayed.PARITY,
+    )
+    with pytest.warns(UserWarning, match="delayed scaling's statistics"):
+        gradient = torch_delayed.carrier_gradient_of_amaxes(*arguments)
+    assert torch_fp8_operands._failed == {
+        "triton_scales",
+        "triton_fold",
+        "triton_carrier_gradient",
+    }
+    assert gradient[:, stats.HISTOGRAM_BINS].tolist() == [1.0, 2.0, 3.0]
+
+
 def test_a_failing_scales_kernel_warns_and_hands_over(monkeypatch):
     """Where the scales' kernel cannot build, torch's operations make the
     scales from then on (`scales` gives None), with one warning; the codes'
@@ -411,4 +468,130 @@ def test_the_triton_scales_kernel_gives_the_oracle_scales_under_the_interpreter(
     eager ones. Integer and float32 operations alone: the interpreter's
     bits are a GPU's."""
     result = _interpreted(_SCALES_SCRIPT)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+
+
+_FOLD_SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    import numpy as np
+    import torch
+
+    import keras_mp
+    from keras_mp._fp8 import delayed
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
+
+    torch_fp8_operands.FORCED = "triton"
+    rng = np.random.default_rng(0)
+    recipes = [
+        keras_mp.fp8.Recipe(scaling="delayed"),
+        keras_mp.fp8.Recipe(scaling="delayed", amax_algo="most_recent"),
+        keras_mp.fp8.Recipe(scaling="delayed", margin=2, formats="e4m3"),
+    ]
+    failures = []
+    cases = 0
+    for length in (1, 3, 16, 1024):
+        for trial in range(12):
+            carrier = np.zeros(delayed.CARRIER_SHAPE, np.float32)
+            for row in range(3):
+                # No bin, finite bins, or the non-finite ones (510, 511).
+                choice = trial % 4
+                if choice == 1:
+                    carrier[row, rng.integers(0, 510, 3)] = 1.0
+                elif choice == 2:
+                    carrier[row, rng.integers(0, 512, 5)] = 2.0
+                elif choice == 3:
+                    carrier[row, rng.integers(505, 512)] = 1.0
+            carrier[0, delayed.PARITY : delayed.PARITY + 2] = rng.integers(
+                0, 2, 2
+            )
+            carrier[0, delayed.LOSS_SCALE] = (0.0, -1.0, 1024.0, 3.5)[trial % 4]
+            history = np.abs(rng.normal(size=(3, length))).astype(np.float32)
+            history *= np.exp2(rng.integers(-60, 60, (3, 1))).astype(np.float32)
+            history[:, rng.integers(0, length)] = 0.0
+            if trial == 5:
+                history[1, 0] = np.inf
+            folds = np.int32((0, 1, 2, 5, 2**30)[trial % 5])
+            for recipe in recipes:
+                results = []
+                for fused in (True, False):
+                    torch_fp8_operands.FUSED_SCALES = fused
+                    h, f, scaling = delayed.fold_and_scaling(
+                        torch.from_numpy(history.copy()),
+                        torch.tensor(folds),
+                        torch.from_numpy(carrier.copy()),
+                        recipe,
+                    )
+                    results.append(
+                        [h, f, scaling.scales, scaling.first, scaling.parity,
+                         scaling.loss_scale]
+                    )
+                cases += 1
+                for name, a, b in zip(
+                    ("history", "folds", "scales", "first", "parity",
+                     "loss_scale"),
+                    *results,
+                ):
+                    if a.dtype != b.dtype or a.shape != b.shape or not (
+                        torch.equal(a.view(torch.int32), b.view(torch.int32))
+                        if a.dtype == torch.float32
+                        else torch.equal(a, b)
+                    ):
+                        failures.append((length, trial, str(recipe), name))
+    # The carrier's gradient from the three amaxes (`delayed.dot`'s
+    # statistics on PyTorch): zeros, subnormals, the 1.75 mantissa edge,
+    # inf; sizes above 2**24 (rounded to float32 alike).
+    from keras_mp._fp8 import stats
+    from keras_mp.backend.torch import delayed as torch_delayed
+
+    edge = np.float32(1.75) * np.exp2(np.arange(-140, 120)).astype(np.float32)
+    values = np.concatenate(
+        [
+            np.array([0.0, 1e-45, np.inf, 3.4e38], np.float32),
+            edge,
+            np.nextafter(edge, np.float32(np.inf)),
+            np.abs(rng.normal(size=60)).astype(np.float32),
+        ]
+    )
+    for trial in range(0, len(values) - 2, 3):
+        amaxes = [torch.tensor(values[trial + i]).reshape(1, 1) for i in range(3)]
+        parity = torch.tensor([float(trial % 2), float(1 - trial % 2)])
+        sizes = (float(trial + 1), 2.0**24 + 1.0 + trial, 12345678901.0)
+        results = []
+        for fused in (True, False):
+            torch_fp8_operands.FUSED_SCALES = fused
+            results.append(
+                torch_delayed.carrier_gradient_of_amaxes(
+                    amaxes,
+                    sizes,
+                    parity,
+                    stats.HISTOGRAM_BINS,
+                    stats.MANTISSA_ABOVE_1_75,
+                    delayed.CARRIER_WIDTH,
+                    delayed.PARITY,
+                )
+            )
+        cases += 1
+        if not torch.equal(results[0].view(torch.int32), results[1].view(torch.int32)):
+            failures.append(("gradient", values[trial : trial + 3]))
+    print(cases, failures)
+    sys.exit(1 if failures or cases != 144 + len(values) // 3 else 0)
+    """
+)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton"
+)
+def test_the_triton_fold_gives_the_eager_fold_and_scales_under_the_interpreter():
+    """Delayed scaling's fold of a carrier into the amax history and the
+    history's scales in one Triton kernel: the new history, the fold count,
+    the scales, the parity and the loss scale bit for bit torch's eager
+    operations', over histories of 1 to 1024 amaxes, carriers with no bin,
+    finite bins or non-finite ones, both parity marks, loss scales of 0,
+    -1 and above, and the three recipes' formats, margins and amax
+    algorithms; and the carrier's gradient from a call's three amaxes, in
+    one kernel too, bit for bit, across the float32 range."""
+    result = _interpreted(_FOLD_SCRIPT)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]

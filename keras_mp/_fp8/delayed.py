@@ -44,6 +44,7 @@ from keras import ops
 
 from keras_mp._fp8 import stats as stats_module
 from keras_mp._fp8.formats.e4m3_e5m2 import scale_from_amax
+from keras_mp._fp8.formats.e4m3_e5m2 import torch_scale_constants
 from keras_mp._keras_internals import constant
 from keras_mp.backend import fp8 as backend_fp8
 from keras_mp.backend.torch import delayed as torch_delayed
@@ -119,16 +120,20 @@ def fold(history, folds, carrier):
     return history, folds + ops.cast(fresh, "int32")
 
 
+# The carrier's columns PyTorch's fold reads: the parity marks, the loss
+# scale, the histogram's bins and its finite ones.
+_FOLD_COLUMNS = (
+    PARITY,
+    LOSS_SCALE,
+    stats_module.HISTOGRAM_BINS,
+    stats_module.FINITE_BINS,
+)
+
+
 def _torch_fold(history, folds, carrier):
     """`torch_delayed.fold_and_scaling` with the carrier's constants."""
     return torch_delayed.fold_and_scaling(
-        history,
-        folds,
-        carrier,
-        PARITY,
-        LOSS_SCALE,
-        stats_module.HISTOGRAM_BINS,
-        stats_module.FINITE_BINS,
+        history, folds, carrier, *_FOLD_COLUMNS
     )
 
 
@@ -170,9 +175,25 @@ def fold_and_scaling(history, folds, carrier, recipe, first=None):
     the carrier (`torch_ops.has_bit_ops`): `(history, folds, Scaling)`.
     `first`, where the caller knows it (a Python bool), is the Scaling's
     as it is."""
-    history, folds, parity, loss_scale = _torch_fold(history, folds, carrier)
+    formats = (recipe.forward_format,) * 2 + (recipe.backward_format,)
+    fused = torch_delayed.fused_fold_and_scaling(
+        history,
+        folds,
+        carrier,
+        _FOLD_COLUMNS,
+        [torch_scale_constants(f, recipe.margin) for f in formats],
+        recipe.amax_algo == "most_recent",
+    )
+    if fused is not None:
+        # One Triton kernel on CUDA: the fold and the history's scales.
+        history, folds, scales, parity, loss_scale = fused
+    else:
+        history, folds, parity, loss_scale = _torch_fold(
+            history, folds, carrier
+        )
+        scales = history_scales(history, recipe)
     result = Scaling(
-        scales=history_scales(history, recipe),
+        scales=scales,
         first=folds == 0 if first is None else first,
         parity=parity,
         loss_scale=loss_scale,

@@ -67,6 +67,16 @@ def _threshold(fmt, margin):
     return exponent, mantissa
 
 
+def torch_scale_constants(fmt, margin):
+    """`(exponent, carry, low, high)`, Python ints: the constants of
+    `scale_from_amax(amax, fmt, margin)` in `torch_ops.scale_from_amax`'s
+    form, which PyTorch's Triton kernels of scales take too
+    (`backend/torch/fp8_operands.scales`, `backend/torch/delayed.py`'s
+    fold)."""
+    exponent, carry = _torch_thresholds(_threshold(fmt, margin))
+    return exponent, carry, _MIN_EXPONENT, _MAX_EXPONENT
+
+
 def _torch_thresholds(thresholds):
     """`(exponent, carry)` of `_threshold`'s `(exponent, mantissa)` (or a
     list of them, as int32 vectors) for `torch_ops.scale_from_amax`: `carry`
@@ -197,9 +207,8 @@ def quantize_reduced(x, fmt, axes, margin=0, scale=None, layouts=None):
         # PyTorch's operands on CUDA: the scale and its reciprocal in one
         # kernel after the reduction, where a dozen and a half eager
         # operations each launched one.
-        exponent, carry = _torch_thresholds(_threshold(fmt, margin))
         fused = backend_fp8.torch_operand_scales(
-            x, axes, exponent, carry, _MIN_EXPONENT, _MAX_EXPONENT
+            x, axes, *torch_scale_constants(fmt, margin)
         )
         if fused is not None:
             scale, inverse = fused

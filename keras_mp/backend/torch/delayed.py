@@ -9,8 +9,12 @@ itself, bit for bit those of `keras_mp/_fp8/delayed.py` and
 `keras_mp/_fp8/stats.py`, which call them where `torch/ops.py`'s
 `has_bit_ops` says so (tests compare the two ways). Python numbers
 stay numbers (a scalar argument of a kernel, no tensor from the host).
-Imports nothing from keras_mp, and torch only inside its functions: the
-module is imported on every backend, with or without torch installed.
+On CUDA, where `fp8_operands.py`'s Triton kernel makes the FP8 operands,
+the fold with the history's scales and a call's carrier gradient are one
+Triton kernel each (`fused_fold_and_scaling`, `carrier_gradient_of_amaxes`),
+bit for bit the same operations. Imports nothing from keras_mp but its
+sibling `fp8_operands.py`, and torch and Triton only inside its functions:
+the module is imported on every backend, with or without torch installed.
 """
 
 import functools
@@ -191,6 +195,11 @@ def carrier_gradient_of_amaxes(
     `bins`, the infinities' and NaN's too) and the parity written in."""
     import torch
 
+    fused = _fused_carrier_gradient(
+        amaxes, sizes, parity, bins, mantissa_above, width, parity_column
+    )
+    if fused is not None:
+        return fused
     stacked = torch.stack([amax.reshape(()) for amax in amaxes])
     index = amax_bin(stacked, mantissa_above).to(torch.int64).unsqueeze(1)
     gradient = _gradient_base(tuple(sizes), width, bins, parity.device)
@@ -220,3 +229,321 @@ def write_loss_scale(carrier, loss_scale, column):
     )
     with torch.no_grad():
         carrier[:, column].copy_(scale.reshape(()))
+
+
+_fold_kernel = None
+_gradient_kernel = None
+
+
+def _triton_usable_for(tensor, name):
+    """Whether delayed scaling's Triton kernel `name` serves `tensor`:
+    where the FP8 operands are Triton's and it has not failed."""
+    from keras_mp.backend.torch import fp8_operands
+
+    return (
+        fp8_operands.FUSED_SCALES
+        and fp8_operands.implementation_for(tensor) == "triton"
+        and name not in fp8_operands._failed
+    )
+
+
+def _failed_kernel(name, what, error):
+    """Whether kernel `name` failing with `error` hands over (with one
+    warning) to torch's operations; a forced implementation raises."""
+    import warnings
+
+    from keras_mp.backend.torch import fp8_operands
+
+    if fp8_operands.FORCED is not None:
+        return False
+    fp8_operands._failed.add(name)
+    warnings.warn(
+        f"keras_mp FP8 on PyTorch: the Triton kernel of {what} failed "
+        f"({type(error).__name__}: {error}); torch's operations take over "
+        "from now on (the same values, more kernel launches). Report it "
+        "with your torch and triton versions.",
+        stacklevel=4,
+    )
+    return True
+
+
+def _fused_carrier_gradient(
+    amaxes, sizes, parity, bins, mantissa_above, width, parity_column
+):
+    """`carrier_gradient_of_amaxes` in one Triton kernel (a handful of
+    launches in torch's operations), or None where it does not serve."""
+    if not _triton_usable_for(parity, "triton_carrier_gradient"):
+        return None
+    try:
+        return _triton_carrier_gradient(
+            amaxes, sizes, parity, bins, mantissa_above, width, parity_column
+        )
+    except Exception as error:  # noqa: BLE001 - any kernel build failure
+        if not _failed_kernel(
+            "triton_carrier_gradient", "delayed scaling's statistics", error
+        ):
+            raise
+        return None
+
+
+def _triton_carrier_gradient(
+    amaxes, sizes, parity, bins, mantissa_above, width, parity_column
+):
+    import torch
+    import triton
+
+    global _gradient_kernel
+    if _gradient_kernel is None:
+        _gradient_kernel = _make_gradient_kernel()
+    gradient = torch.empty(
+        (3, width), dtype=torch.float32, device=parity.device
+    )
+    # The sizes as float32 values, as `_gradient_base`'s tensor holds them.
+    s0, s1, s2 = (float(np.float32(size)) for size in sizes)
+    a0, a1, a2 = (amax.reshape(()).contiguous() for amax in amaxes)
+    _gradient_kernel[(1,)](
+        a0,
+        a1,
+        a2,
+        parity.contiguous(),
+        gradient,
+        s0,
+        s1,
+        s2,
+        width,
+        mantissa_above,
+        SIZE_COLUMN=bins,
+        PARITY_COLUMN=parity_column,
+        WIDTH_BLOCK=triton.next_power_of_2(width),
+    )
+    return gradient
+
+
+def _make_gradient_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def carrier_gradient(
+        a0_ptr,
+        a1_ptr,
+        a2_ptr,
+        parity_ptr,
+        gradient_ptr,
+        s0,
+        s1,
+        s2,
+        width,
+        mantissa_above,
+        SIZE_COLUMN: tl.constexpr,
+        PARITY_COLUMN: tl.constexpr,
+        WIDTH_BLOCK: tl.constexpr,
+    ):
+        rows = tl.arange(0, 4)
+        columns = tl.arange(0, WIDTH_BLOCK)
+        zero = tl.zeros([4], dtype=tl.float32)
+        amax = tl.where(
+            rows == 0,
+            zero + tl.load(a0_ptr),
+            tl.where(rows == 1, zero + tl.load(a1_ptr), zero + tl.load(a2_ptr)),
+        )
+        size = tl.where(
+            rows == 0, zero + s0, tl.where(rows == 1, zero + s1, zero + s2)
+        )
+        # `amax_bin`: twice the biased exponent, plus one where the
+        # mantissa bits are above `mantissa_above`.
+        bits = amax.to(tl.int32, bitcast=True)
+        above = ((bits & 0x7FFFFF) > mantissa_above).to(tl.int32)
+        bin = (bits >> 23) * 2 + above
+        gradient = tl.where(columns[None, :] == bin[:, None], 1.0, 0.0)
+        gradient = tl.where(
+            columns[None, :] == SIZE_COLUMN, size[:, None], gradient
+        )
+        first = tl.load(parity_ptr)
+        second = tl.load(parity_ptr + 1)
+        gradient = tl.where(columns[None, :] == PARITY_COLUMN, first, gradient)
+        gradient = tl.where(
+            columns[None, :] == PARITY_COLUMN + 1, second, gradient
+        )
+        tl.store(
+            gradient_ptr + rows[:, None] * width + columns[None, :],
+            gradient,
+            mask=(rows[:, None] < 3) & (columns[None, :] < width),
+        )
+
+    return carrier_gradient
+
+
+def fused_fold_and_scaling(
+    history, folds, carrier, columns, thresholds, newest
+):
+    """`fold_and_scaling`, then the history's scales
+    (`keras_mp._fp8.delayed.history_scales`), in one Triton kernel where
+    the FP8 operands are Triton's (`fp8_operands.implementation_for`):
+    `(history, folds, scales, parity, loss_scale)`, bit for bit the eager
+    operations' (about twenty launches a layer and step); else None.
+
+    `columns` are `fold_and_scaling`'s `(parity_column, loss_scale_column,
+    bins, finite_bins)`; `thresholds` the three tensors'
+    `torch/ops.scale_from_amax` constants `(exponent, carry, low, high)`,
+    Python ints (the input's and the kernel's alike); `newest` whether a
+    scale is the newest amax's (else the history's largest). One program
+    reads the carrier and the whole history and writes new tensors:
+    nothing is read after it is written.
+    """
+    if not _triton_usable_for(history, "triton_fold"):
+        return None
+    try:
+        return _triton_fold(
+            history, folds, carrier, columns, thresholds, newest
+        )
+    except Exception as error:  # noqa: BLE001 - any kernel build failure
+        if not _failed_kernel("triton_fold", "delayed scaling's fold", error):
+            raise
+        return None
+
+
+def _triton_fold(history, folds, carrier, columns, thresholds, newest):
+    import torch
+    import triton
+
+    kernel = _triton_fold_kernel()
+    carrier = carrier.detach().contiguous()
+    history = history.contiguous()
+    rows, length = history.shape
+    device = history.device
+    new_history = torch.empty_like(history)
+    new_folds = torch.empty_like(folds)
+    scales = torch.empty(rows, dtype=torch.float32, device=device)
+    parity = torch.empty(2, dtype=torch.float32, device=device)
+    loss_scale = torch.empty((), dtype=torch.float32, device=device)
+    parity_column, loss_scale_column, bins, finite_bins = columns
+    (e0, c0, low, high), kernel_thresholds, (e2, c2, _, _) = thresholds
+    if kernel_thresholds != thresholds[0]:
+        raise ValueError("the input's and the kernel's formats differ")
+    kernel[(1,)](
+        carrier,
+        history,
+        folds,
+        new_history,
+        new_folds,
+        scales,
+        parity,
+        loss_scale,
+        carrier.stride(0),
+        length,
+        parity_column,
+        loss_scale_column,
+        e0,
+        c0,
+        e2,
+        c2,
+        low,
+        high,
+        BINS=bins,
+        FINITE_BINS=finite_bins,
+        BINS_BLOCK=triton.next_power_of_2(bins),
+        LENGTH_BLOCK=triton.next_power_of_2(length),
+        MOST_RECENT=newest,
+    )
+    return new_history, new_folds, scales, parity, loss_scale
+
+
+def _triton_fold_kernel():
+    global _fold_kernel
+    if _fold_kernel is not None:
+        return _fold_kernel
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fold(
+        carrier_ptr,
+        history_ptr,
+        folds_ptr,
+        history_out,
+        folds_out,
+        scales_out,
+        parity_out,
+        loss_scale_out,
+        carrier_stride,
+        length,
+        parity_column,
+        loss_scale_column,
+        e0,
+        c0,
+        e2,
+        c2,
+        low,
+        high,
+        BINS: tl.constexpr,
+        FINITE_BINS: tl.constexpr,
+        BINS_BLOCK: tl.constexpr,
+        LENGTH_BLOCK: tl.constexpr,
+        MOST_RECENT: tl.constexpr,
+    ):
+        # The three tensors' rows (a fourth, masked, pads them to 4).
+        rows = tl.arange(0, 4)
+        row_mask = rows < 3
+        # Each row's highest bin present, plus one (0 where none is).
+        b = tl.arange(0, BINS_BLOCK)
+        present = tl.load(
+            carrier_ptr + rows[:, None] * carrier_stride + b[None, :],
+            mask=row_mask[:, None] & (b[None, :] < BINS),
+            other=0.0,
+        )
+        top = tl.max(tl.where(present > 0, b[None, :] + 1, 0), axis=1)
+        # `_bin_tables`: the bin's amax from its bits, and whether it is
+        # finite (a fold writes it).
+        index = top - 1
+        clipped = tl.maximum(index, 0)
+        exponent = clipped >> 1
+        bits = (exponent << 23) + (clipped & 1) * 0x700000
+        value = tl.where(exponent == 0, 0.0, bits.to(tl.float32, bitcast=True))
+        writable = (index >= 0) & (index < FINITE_BINS)
+        # Fresh where the carrier's mark of this parity is set.
+        folds = tl.load(folds_ptr)
+        before = ((folds % 2) + 2) % 2
+        mark = tl.load(carrier_ptr + parity_column + before)
+        fresh = (tl.zeros([4], dtype=tl.float32) + mark) > 0
+        write = fresh & writable
+        # The history shifted by one where a row is written.
+        j = tl.arange(0, LENGTH_BLOCK)
+        inside = row_mask[:, None] & (j[None, :] < length)
+        at = history_ptr + rows[:, None] * length + j[None, :]
+        old = tl.load(at, mask=inside, other=0.0)
+        previous = tl.load(at - 1, mask=inside & (j[None, :] >= 1), other=0.0)
+        shifted = tl.where(j[None, :] == 0, value[:, None], previous)
+        new = tl.where(write[:, None], shifted, old)
+        tl.store(
+            history_out + rows[:, None] * length + j[None, :], new, mask=inside
+        )
+        folds = folds + (mark > 0).to(tl.int32)
+        tl.store(folds_out, folds)
+        p = tl.arange(0, 2)
+        tl.store(parity_out + p, (p == ((folds % 2) + 2) % 2).to(tl.float32))
+        loss_scale = tl.load(carrier_ptr + loss_scale_column)
+        tl.store(loss_scale_out, tl.where(loss_scale > 0, loss_scale, 1.0))
+        # `history_scales`: the newest amax, or the largest (NaN where one
+        # is, as torch's `amax`).
+        if MOST_RECENT:
+            amax = tl.sum(tl.where(j[None, :] == 0, new, 0.0), axis=1)
+        else:
+            amax = tl.max(tl.where(inside, new, float("-inf")), axis=1)
+            nan = tl.max(((new != new) & inside).to(tl.int32), axis=1) > 0
+            amax = tl.where(nan, float("nan"), amax)
+        # `torch/ops.scale_from_amax`, the output gradient's row in its
+        # own format.
+        e = tl.where(rows == 2, e2, e0)
+        c = tl.where(rows == 2, c2, c0)
+        amax_bits = tl.minimum(amax.to(tl.int32, bitcast=True), 0x7F800000)
+        biased = (amax_bits + c) >> 23
+        biased = tl.minimum(tl.maximum(biased - e, low), high)
+        scale = (biased << 23).to(tl.float32, bitcast=True)
+        scale = tl.where(amax == 0.0, 1.0, scale)
+        finite = (amax == amax) & (amax != float("inf"))
+        scale = tl.where(finite, scale, amax)
+        tl.store(scales_out + rows, scale, mask=row_mask)
+
+    _fold_kernel = fold
+    return _fold_kernel
