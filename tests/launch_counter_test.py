@@ -89,6 +89,22 @@ def test_fp8_layers_add_launches_over_bf16():
     assert fp8.launches > bf16.launches
 
 
+def _interpreted(script):
+    """The stdout of `script` run in a fresh PyTorch process under
+    `TRITON_INTERPRET=1` (`torch_fp8_operands_test.py` says why a fresh
+    one)."""
+    return run_python(
+        script,
+        env={
+            "TRITON_INTERPRET": "1",
+            "KERAS_BACKEND": "torch",
+            "PYTHONPATH": os.pathsep.join(
+                [str(_ROOT), os.environ.get("PYTHONPATH", "")]
+            ),
+        },
+    )
+
+
 _TRITON_SCRIPT = """
     import torch
 
@@ -113,16 +129,7 @@ def test_a_triton_launch_counts_one_under_the_interpreter():
     and NumPy on the host; the counter takes it as the one launch it is on
     a GPU. In a fresh process, as `torch_fp8_operands_test.py` explains
     (`.ci/run` installs Triton for this check and that one)."""
-    stdout = run_python(
-        _TRITON_SCRIPT,
-        env={
-            "TRITON_INTERPRET": "1",
-            "KERAS_BACKEND": "torch",
-            "PYTHONPATH": os.pathsep.join(
-                [str(_ROOT), os.environ.get("PYTHONPATH", "")]
-            ),
-        },
-    )
+    stdout = _interpreted(_TRITON_SCRIPT)
     triton, ops = eval(stdout.strip().splitlines()[-1])
     # One kernel writes both layouts; the scale's reciprocal is the one
     # other launch, and nothing the interpreter runs inside is counted.
@@ -180,16 +187,7 @@ def test_a_tensorwise_fp8_layer_adds_at_most_12_launches_a_step_triton():
     (`torch/fp8_operands.scales`) and one of its codes; each GEMM takes
     its scale factor from one multiply: 10 added. (63 before the scales'
     kernel: a dozen and a half eager operations an operand.)"""
-    stdout = run_python(
-        _DOT_BUDGET_SCRIPT,
-        env={
-            "TRITON_INTERPRET": "1",
-            "KERAS_BACKEND": "torch",
-            "PYTHONPATH": os.pathsep.join(
-                [str(_ROOT), os.environ.get("PYTHONPATH", "")]
-            ),
-        },
-    )
+    stdout = _interpreted(_DOT_BUDGET_SCRIPT)
     counts = eval(stdout.strip().splitlines()[-1])
     (bf16, _, _), (fp8, ops, triton) = counts["bf16"], counts["tensorwise"]
     assert triton == {"scales": 3, "quantize": 3}, counts

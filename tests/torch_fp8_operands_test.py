@@ -61,7 +61,24 @@ def _assert_layouts(row, column, shape):
     assert column.stride() == (1, shape[0])
 
 
-def test_failing_delayed_kernels_warn_and_hand_over(monkeypatch):
+def _failing(*arguments):
+    raise RuntimeError("no such PTX instruction")
+
+
+@pytest.fixture
+def triton_serves(monkeypatch):
+    """Triton's kernels taken to serve every tensor, none failed yet: the
+    module, for a test to make its kernels fail (`_failing`)."""
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
+
+    monkeypatch.setattr(torch_fp8_operands, "_failed", set())
+    monkeypatch.setattr(
+        torch_fp8_operands, "implementation_for", lambda x: "triton"
+    )
+    return torch_fp8_operands
+
+
+def test_failing_delayed_kernels_warn_and_hand_over(monkeypatch, triton_serves):
     """Where delayed scaling's kernels cannot build, torch's operations
     fold the carrier and make its gradient from then on, with one warning
     each, and the same values."""
@@ -71,20 +88,12 @@ def test_failing_delayed_kernels_warn_and_hand_over(monkeypatch):
     from keras_mp._fp8 import delayed
     from keras_mp._fp8 import stats
     from keras_mp.backend.torch import delayed as torch_delayed
-    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
 
-    monkeypatch.setattr(torch_fp8_operands, "_failed", set())
-    monkeypatch.setattr(
-        torch_fp8_operands, "implementation_for", lambda x: "triton"
-    )
-
-    def failing(*arguments):
-        raise RuntimeError("no such PTX instruction")
-
-    monkeypatch.setattr(torch_delayed, "_triton_fold", failing)
-    monkeypatch.setattr(torch_delayed, "_triton_carrier_gradient", failing)
+    torch_fp8_operands = triton_serves
+    monkeypatch.setattr(torch_delayed, "_triton_fold", _failing)
+    monkeypatch.setattr(torch_delayed, "_triton_carrier_gradient", _failing)
     # The scales' kernel is not under test: torch's operations make them.
-    monkeypatch.setattr(torch_fp8_operands, "_triton_scales", failing)
+    monkeypatch.setattr(torch_fp8_operands, "_triton_scales", _failing)
     torch_fp8_operands._failed.add("triton_scales")
     recipe = keras_mp.fp8.Recipe(scaling="delayed")
     carrier = torch.zeros(delayed.CARRIER_SHAPE)
@@ -118,23 +127,16 @@ def test_failing_delayed_kernels_warn_and_hand_over(monkeypatch):
     assert gradient[:, stats.HISTOGRAM_BINS].tolist() == [1.0, 2.0, 3.0]
 
 
-def test_a_failing_scales_kernel_warns_and_hands_over(monkeypatch):
+def test_a_failing_scales_kernel_warns_and_hands_over(
+    monkeypatch, triton_serves
+):
     """Where the scales' kernel cannot build, torch's operations make the
     scales from then on (`scales` gives None), with one warning; the codes'
     kernel is not given up."""
     import torch
 
-    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
-
-    monkeypatch.setattr(torch_fp8_operands, "_failed", set())
-    monkeypatch.setattr(
-        torch_fp8_operands, "implementation_for", lambda x: "triton"
-    )
-
-    def failing(*arguments):
-        raise RuntimeError("no such PTX instruction")
-
-    monkeypatch.setattr(torch_fp8_operands, "_triton_scales", failing)
+    torch_fp8_operands = triton_serves
+    monkeypatch.setattr(torch_fp8_operands, "_triton_scales", _failing)
     magnitudes = torch.tensor([[3.0]])
     with pytest.warns(UserWarning, match="kernel of FP8 scales failed"):
         assert torch_fp8_operands.scales(magnitudes, 8, 0, 1, 254) is None
@@ -175,6 +177,27 @@ def test_both_layouts_hold_the_oracles_codes_bit_for_bit(
     )
     assert alone.stride() == column.stride()
     _assert_codes(alone, expected)
+
+
+def _interpreted(script):
+    """`script` run in a fresh process under `TRITON_INTERPRET=1`:
+    `TRITON_INTERPRET` is read when Triton is imported, and Triton's LLVM
+    clashes with TensorFlow's in one process."""
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        KERAS_BACKEND="torch",
+        PYTHONPATH=os.pathsep.join(
+            [str(_ROOT), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 _TRITON_SCRIPT = textwrap.dedent(
@@ -238,21 +261,7 @@ def test_the_triton_kernel_writes_both_layouts_under_the_interpreter():
     (triton 3.9.0): a GPU checks the rounding. In a fresh process:
     `TRITON_INTERPRET` is read when Triton is imported, and Triton's LLVM
     clashes with TensorFlow's in one process."""
-    env = dict(
-        os.environ,
-        TRITON_INTERPRET="1",
-        KERAS_BACKEND="torch",
-        PYTHONPATH=os.pathsep.join(
-            [str(_ROOT), os.environ.get("PYTHONPATH", "")]
-        ),
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", _TRITON_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = _interpreted(_TRITON_SCRIPT)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
 
 
@@ -434,26 +443,6 @@ _SCALES_SCRIPT = textwrap.dedent(
     sys.exit(1 if failures else 0)
     """
 )
-
-
-def _interpreted(script):
-    """`script` run in a fresh process under `TRITON_INTERPRET=1` (see
-    `test_the_triton_kernel_writes_both_layouts_under_the_interpreter`)."""
-    env = dict(
-        os.environ,
-        TRITON_INTERPRET="1",
-        KERAS_BACKEND="torch",
-        PYTHONPATH=os.pathsep.join(
-            [str(_ROOT), os.environ.get("PYTHONPATH", "")]
-        ),
-    )
-    return subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 @pytest.mark.skipif(

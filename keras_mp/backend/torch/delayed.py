@@ -235,55 +235,27 @@ _fold_kernel = None
 _gradient_kernel = None
 
 
-def _triton_usable_for(tensor, name):
-    """Whether delayed scaling's Triton kernel `name` serves `tensor`:
-    where the FP8 operands are Triton's and it has not failed."""
-    from keras_mp.backend.torch import fp8_operands
-
-    return (
-        fp8_operands.FUSED_SCALES
-        and fp8_operands.implementation_for(tensor) == "triton"
-        and name not in fp8_operands._failed
-    )
-
-
-def _failed_kernel(name, what, error):
-    """Whether kernel `name` failing with `error` hands over (with one
-    warning) to torch's operations; a forced implementation raises."""
-    import warnings
-
-    from keras_mp.backend.torch import fp8_operands
-
-    if fp8_operands.FORCED is not None:
-        return False
-    fp8_operands._failed.add(name)
-    warnings.warn(
-        f"keras_mp FP8 on PyTorch: the Triton kernel of {what} failed "
-        f"({type(error).__name__}: {error}); torch's operations take over "
-        "from now on (the same values, more kernel launches). Report it "
-        "with your torch and triton versions.",
-        stacklevel=4,
-    )
-    return True
-
-
 def _fused_carrier_gradient(
     amaxes, sizes, parity, bins, mantissa_above, width, parity_column
 ):
     """`carrier_gradient_of_amaxes` in one Triton kernel (a handful of
-    launches in torch's operations), or None where it does not serve."""
-    if not _triton_usable_for(parity, "triton_carrier_gradient"):
-        return None
-    try:
-        return _triton_carrier_gradient(
-            amaxes, sizes, parity, bins, mantissa_above, width, parity_column
-        )
-    except Exception as error:  # noqa: BLE001 - any kernel build failure
-        if not _failed_kernel(
-            "triton_carrier_gradient", "delayed scaling's statistics", error
-        ):
-            raise
-        return None
+    launches in torch's operations), or None where it does not serve
+    (`fp8_operands.run_kernel`)."""
+    from keras_mp.backend.torch import fp8_operands
+
+    return fp8_operands.run_kernel(
+        "triton_carrier_gradient",
+        "delayed scaling's statistics",
+        parity,
+        _triton_carrier_gradient,
+        amaxes,
+        sizes,
+        parity,
+        bins,
+        mantissa_above,
+        width,
+        parity_column,
+    )
 
 
 def _triton_carrier_gradient(
@@ -391,16 +363,20 @@ def fused_fold_and_scaling(
     reads the carrier and the whole history and writes new tensors:
     nothing is read after it is written.
     """
-    if not _triton_usable_for(history, "triton_fold"):
-        return None
-    try:
-        return _triton_fold(
-            history, folds, carrier, columns, thresholds, newest
-        )
-    except Exception as error:  # noqa: BLE001 - any kernel build failure
-        if not _failed_kernel("triton_fold", "delayed scaling's fold", error):
-            raise
-        return None
+    from keras_mp.backend.torch import fp8_operands
+
+    return fp8_operands.run_kernel(
+        "triton_fold",
+        "delayed scaling's fold",
+        history,
+        _triton_fold,
+        history,
+        folds,
+        carrier,
+        columns,
+        thresholds,
+        newest,
+    )
 
 
 def _triton_fold(history, folds, carrier, columns, thresholds, newest):

@@ -384,26 +384,50 @@ def amaxes(magnitudes):
 
 
 def _fused(magnitudes, outputs, exponent, carry, low, high, nan_as_inf):
-    """The float32 `outputs` of `_scales_kernel`, or None where it is not
-    the implementation (or failed to build: a warning, once)."""
-    if not FUSED_SCALES or implementation_for(magnitudes) != "triton":
-        return None
-    if "triton_scales" in _failed:
+    """The float32 `outputs` of `_scales_kernel`, or None where it does
+    not serve (`run_kernel`)."""
+    return run_kernel(
+        "triton_scales",
+        "FP8 scales",
+        magnitudes,
+        _triton_scales,
+        magnitudes,
+        outputs,
+        exponent,
+        carry,
+        low,
+        high,
+        nan_as_inf,
+    )
+
+
+def run_kernel(name, what, tensor, function, *arguments):
+    """`function(*arguments)`, the launch of the Triton kernel `name` (of
+    `what`, for the warning), where Triton's kernels serve `tensor`
+    (`implementation_for`, `FUSED_SCALES`) and that kernel has not failed
+    in this process; else None, and the caller's torch operations compute
+    the same values. A kernel that raises (a Triton that cannot build it)
+    warns once and is not launched again; a forced implementation raises.
+    The kernels of scales here and of delayed scaling
+    (`torch/delayed.py`) all run through it."""
+    if (
+        not FUSED_SCALES
+        or implementation_for(tensor) != "triton"
+        or name in _failed
+    ):
         return None
     try:
-        return _triton_scales(
-            magnitudes, outputs, exponent, carry, low, high, nan_as_inf
-        )
+        return function(*arguments)
     except Exception as error:  # noqa: BLE001 - any kernel build failure
         if FORCED is not None:
             raise
-        _failed.add("triton_scales")
+        _failed.add(name)
         warnings.warn(
-            "keras_mp FP8 on PyTorch: the Triton kernel of FP8 scales "
-            f"failed ({type(error).__name__}: {error}); torch's operations "
-            "take over from now on (the same scales, more kernel "
-            "launches). Report it with your torch and triton versions.",
-            stacklevel=3,
+            f"keras_mp FP8 on PyTorch: the Triton kernel of {what} failed "
+            f"({type(error).__name__}: {error}); torch's operations take "
+            "over from now on (the same values, more kernel launches). "
+            "Report it with your torch and triton versions.",
+            stacklevel=4,
         )
         return None
 

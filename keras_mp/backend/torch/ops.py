@@ -151,7 +151,7 @@ def scale_from_amax(amax, exponent, carry, low, high):
         # One kernel where Triton makes the FP8 operands (a dozen
         # operations' launches below).
         fused = fp8_operands.scales(
-            amax, exponent, carry, low, high, False, True
+            amax, exponent, carry, low, high, inverse=False, amax=True
         )
         if fused is not None:
             return fused
