@@ -62,6 +62,13 @@ def test_smoke_runs_every_section_and_writes_the_table(tmp_path):
     assert len(rows) == 2 + sum(
         len(s["rows"]) for s in result["sections"].values()
     )
+    # Adam state: on torch the update kernels' batch path side by side.
+    state = result["sections"]["state"]["rows"][0]
+    expected = ["float32", "bfloat16", "float8"]
+    if backend == "torch":
+        expected += ["bfloat16_batch", "float8_batch"]
+        assert "float8_batch_vs_kernel" in state["ratios"], state
+    assert list(state["ms"]) == expected, state
     # GPT-2: a row per variant, each with a finite loss and tokens/s.
     rows = result["sections"]["gpt2"]["rows"]
     assert [list(row["ms"]) for row in rows] == [

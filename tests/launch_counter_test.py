@@ -8,8 +8,6 @@ the same from one step to the next, so a budget per step can be asserted.
 """
 
 import importlib.util
-import os
-import pathlib
 
 import keras
 import numpy as np
@@ -17,11 +15,9 @@ import pytest
 
 import keras_mp
 from keras_mp.testing import count_torch_launches
-from keras_mp.testing import run_python
+from keras_mp.testing import run_triton_interpreted
 
 pytestmark = pytest.mark.backends("torch")
-
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_kernels_are_counted_and_views_are_not():
@@ -89,22 +85,6 @@ def test_fp8_layers_add_launches_over_bf16():
     assert fp8.launches > bf16.launches
 
 
-def _interpreted(script):
-    """The stdout of `script` run in a fresh PyTorch process under
-    `TRITON_INTERPRET=1` (`torch_fp8_operands_test.py` says why a fresh
-    one)."""
-    return run_python(
-        script,
-        env={
-            "TRITON_INTERPRET": "1",
-            "KERAS_BACKEND": "torch",
-            "PYTHONPATH": os.pathsep.join(
-                [str(_ROOT), os.environ.get("PYTHONPATH", "")]
-            ),
-        },
-    )
-
-
 _TRITON_SCRIPT = """
     import torch
 
@@ -129,7 +109,7 @@ def test_a_triton_launch_counts_one_under_the_interpreter():
     and NumPy on the host; the counter takes it as the one launch it is on
     a GPU. In a fresh process, as `torch_fp8_operands_test.py` explains
     (`.ci/run` installs Triton for this check and that one)."""
-    stdout = _interpreted(_TRITON_SCRIPT)
+    stdout = run_triton_interpreted(_TRITON_SCRIPT)
     triton, ops = eval(stdout.strip().splitlines()[-1])
     # One kernel writes both layouts; the scale's reciprocal is the one
     # other launch, and nothing the interpreter runs inside is counted.
@@ -187,7 +167,7 @@ def test_a_tensorwise_fp8_layer_adds_at_most_12_launches_a_step_triton():
     (`torch/fp8_operands.scales`) and one of its codes; each GEMM takes
     its scale factor from one multiply: 10 added. (63 before the scales'
     kernel: a dozen and a half eager operations an operand.)"""
-    stdout = _interpreted(_DOT_BUDGET_SCRIPT)
+    stdout = run_triton_interpreted(_DOT_BUDGET_SCRIPT)
     counts = eval(stdout.strip().splitlines()[-1])
     (bf16, _, _), (fp8, ops, triton) = counts["bf16"], counts["tensorwise"]
     assert triton == {"scales": 3, "quantize": 3}, counts

@@ -9,9 +9,6 @@ subnormals, ±0, inf, NaN), ties and values beyond the format's range.
 """
 
 import importlib.util
-import os
-import pathlib
-import subprocess
 import sys
 import textwrap
 import types
@@ -20,11 +17,11 @@ import numpy as np
 import pytest
 
 from keras_mp.testing import fp8_reference as reference
+from keras_mp.testing import run_triton_interpreted
 
 pytestmark = pytest.mark.backends("torch")
 
 FORMATS = ["e4m3", "e5m2"]
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _inputs(fmt):
@@ -179,27 +176,6 @@ def test_both_layouts_hold_the_oracles_codes_bit_for_bit(
     _assert_codes(alone, expected)
 
 
-def _interpreted(script):
-    """`script` run in a fresh process under `TRITON_INTERPRET=1`:
-    `TRITON_INTERPRET` is read when Triton is imported, and Triton's LLVM
-    clashes with TensorFlow's in one process."""
-    env = dict(
-        os.environ,
-        TRITON_INTERPRET="1",
-        KERAS_BACKEND="torch",
-        PYTHONPATH=os.pathsep.join(
-            [str(_ROOT), os.environ.get("PYTHONPATH", "")]
-        ),
-    )
-    return subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 _TRITON_SCRIPT = textwrap.dedent(
     """
     import sys
@@ -261,8 +237,7 @@ def test_the_triton_kernel_writes_both_layouts_under_the_interpreter():
     (triton 3.9.0): a GPU checks the rounding. In a fresh process:
     `TRITON_INTERPRET` is read when Triton is imported, and Triton's LLVM
     clashes with TensorFlow's in one process."""
-    result = _interpreted(_TRITON_SCRIPT)
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    run_triton_interpreted(_TRITON_SCRIPT)
 
 
 def test_a_failing_implementation_warns_and_hands_over(monkeypatch):
@@ -415,9 +390,9 @@ _SCALES_SCRIPT = textwrap.dedent(
         ]
         exponent, carry = e4m3_e5m2._torch_thresholds(thresholds)
         columns = torch.from_numpy(values[: len(values) // 3 * 3]).reshape(-1, 3)
-        torch_fp8_operands.FUSED_SCALES = False
+        torch_fp8_operands.FUSED_KERNELS = False
         eager = torch_ops.scale_from_amax(columns, exponent, carry, 1, 254)
-        torch_fp8_operands.FUSED_SCALES = True
+        torch_fp8_operands.FUSED_KERNELS = True
         got = torch_ops.scale_from_amax(columns, exponent, carry, 1, 254)
         if not torch.equal(got.view(torch.int32), eager.view(torch.int32)):
             failures.append((dtype, "columns"))
@@ -434,7 +409,7 @@ _SCALES_SCRIPT = textwrap.dedent(
             w = w.requires_grad_(True)
             results = []
             for fused in (True, False):
-                torch_fp8_operands.FUSED_SCALES = fused
+                torch_fp8_operands.FUSED_KERNELS = fused
                 y = keras_mp.fp8.dot(x, w, recipe, output_dtype="bfloat16")
                 results.append((y, *torch.autograd.grad(y.sum(), (x, w))))
             if not all(torch.equal(a, b) for a, b in zip(*results)):
@@ -456,8 +431,7 @@ def test_the_triton_scales_kernel_gives_the_oracle_scales_under_the_interpreter(
     and `fp8.dot` gives the same bits with the kernel's scales as with the
     eager ones. Integer and float32 operations alone: the interpreter's
     bits are a GPU's."""
-    result = _interpreted(_SCALES_SCRIPT)
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    run_triton_interpreted(_SCALES_SCRIPT)
 
 
 _FOLD_SCRIPT = textwrap.dedent(
@@ -505,7 +479,7 @@ _FOLD_SCRIPT = textwrap.dedent(
             for recipe in recipes:
                 results = []
                 for fused in (True, False):
-                    torch_fp8_operands.FUSED_SCALES = fused
+                    torch_fp8_operands.FUSED_KERNELS = fused
                     h, f, scaling = delayed.fold_and_scaling(
                         torch.from_numpy(history.copy()),
                         torch.tensor(folds),
@@ -549,7 +523,7 @@ _FOLD_SCRIPT = textwrap.dedent(
         sizes = (float(trial + 1), 2.0**24 + 1.0 + trial, 12345678901.0)
         results = []
         for fused in (True, False):
-            torch_fp8_operands.FUSED_SCALES = fused
+            torch_fp8_operands.FUSED_KERNELS = fused
             results.append(
                 torch_delayed.carrier_gradient_of_amaxes(
                     amaxes,
@@ -582,5 +556,4 @@ def test_the_triton_fold_gives_the_eager_fold_and_scales_under_the_interpreter()
     -1 and above, and the three recipes' formats, margins and amax
     algorithms; and the carrier's gradient from a call's three amaxes, in
     one kernel too, bit for bit, across the float32 range."""
-    result = _interpreted(_FOLD_SCRIPT)
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    run_triton_interpreted(_FOLD_SCRIPT)

@@ -42,7 +42,11 @@ script cannot rot between GPU runs. Sections:
   from the variables, device memory held after a step, the allocator's
   peak and, on JAX, the compiled step's own peak (XLA's
   `memory_analysis()`: its temporaries included, the process's earlier
-  peaks not).
+  peaks not). On torch also `bfloat16_batch` and `float8_batch`: the same
+  states updated by the batch path of in-place calls instead of one
+  Triton kernel a variable (`backend/torch/update_kernels.py`, issue 46
+  item 4), side by side; and whether the two give the same bits on the
+  device (`update_kernel_bits_agree`).
 - (h) `gpt2`: a GPT-2-small-shaped model (12 layers, 12 heads, d=768) on
   bytes (vocabulary 256: about 85M parameters, GPT-2's 124M less its
   50257-token embedding), sequence 512, batch 16, trained for a fixed 30
@@ -1261,22 +1265,36 @@ def section_state(clock, smoke):
         counted = bytes_per_parameter(model.weights, model.optimizer)
         state_bytes[name] = round(counted["state"], 3)
 
-    note = each_variant(
-        ("float32", "bfloat16", "float8"),
-        clock,
-        smoke,
-        lambda name: build_decoder(
+    names = ("float32", "bfloat16", "float8")
+    agree = None
+    if backend() == "torch":
+        names += ("bfloat16_batch", "float8_batch")
+        agree = update_kernel_bits_agree()
+
+    def build(name):
+        # The batch variants run without the update kernels.
+        update_kernels_on(not name.endswith("_batch"))
+        return build_decoder(
             sizes,
             "mixed_bfloat16",
-            state_dtype=None if name == "float32" else name,
-        ),
-        measure,
-    )
+            state_dtype=None if name == "float32" else name.split("_")[0],
+        )
+
+    try:
+        note = each_variant(names, clock, smoke, build, measure)
+    finally:
+        if backend() == "torch":
+            update_kernels_on(True)
     ratios = {
         f"{name}_vs_bfloat16": t / ms["bfloat16"]
         for name, t in ms.items()
         if name != "bfloat16" and "bfloat16" in ms
     }
+    for state in ("bfloat16", "float8"):
+        if state in ms and f"{state}_batch" in ms:
+            ratios[f"{state}_batch_vs_kernel"] = (
+                ms[f"{state}_batch"] / ms[state]
+            )
     d, _, layers, seq, b, _ = sizes
     note = _joined(note, "ratios: step time over bfloat16 state's")
 
@@ -1291,7 +1309,79 @@ def section_state(clock, smoke):
         peak_gib=_rounded(peaks),
         step_peak_mib=_rounded(step_peaks, 1),
         launches_per_step=launches if backend() == "torch" else None,
+        update_kernel_bits_agree=agree,
     )
+
+
+def update_kernels_on(on):
+    """PyTorch: the Triton kernels of the optimizer update on or off."""
+    from keras_mp.backend.torch import update_kernels
+
+    update_kernels.UPDATE_KERNELS = on
+
+
+def update_kernel_bits_agree():
+    """PyTorch: per state setting, whether three Adam updates of a few
+    variables (NaN and inf gradients in the second) give the same bits
+    with the update kernels as with the batch path on the device, NaNs
+    compared by place (a NaN's payload is the device's); None without
+    CUDA (the kernels run on CUDA alone)."""
+    import keras
+    import torch
+
+    import keras_mp
+
+    if not torch.cuda.is_available():
+        return None
+    agree = {}
+    settings = [
+        ("bfloat16", True),
+        ("bfloat16", False),
+        ("float16", False),
+        ("float8", True),
+        ("float8", False),
+    ]
+    for state, stochastic in settings:
+        results = []
+        for on in (True, False):
+            update_kernels_on(on)
+            keras.utils.set_random_seed(0)
+            optimizer = keras_mp.OptimizerWrapper(
+                keras.optimizers.AdamW(1e-3, weight_decay=0.01),
+                state_dtype=state,
+                stochastic_rounding=stochastic,
+            )
+            generator = torch.Generator().manual_seed(0)
+            shapes = [(4096, 1000), (3,), (129,)]
+            variables = [
+                keras.Variable(torch.randn(shape, generator=generator))
+                for shape in shapes
+            ]
+            for step in range(3):
+                grads = [
+                    torch.randn(shape, generator=generator).cuda()
+                    * 10.0 ** (step - 4)
+                    for shape in shapes
+                ]
+                if step == 1:
+                    grads[0][0, :3] = torch.tensor(
+                        [float("nan"), float("inf"), -float("inf")]
+                    )
+                optimizer.apply(grads, variables)
+            results.append(
+                [v.value.detach().clone() for v in variables]
+                + [v.value.detach().clone() for v in optimizer.variables]
+            )
+        update_kernels_on(True)
+        same = True
+        for a, b in zip(*results, strict=True):
+            if a.is_floating_point():
+                nan = torch.isnan(a.float())
+                same = same and torch.equal(nan, torch.isnan(b.float()))
+                a, b = a[~nan], b[~nan]
+            same = same and torch.equal(a, b)
+        agree[f"{state}{'_stochastic' if stochastic else ''}"] = bool(same)
+    return agree
 
 
 def compiled_step_mib(model, batch):

@@ -155,6 +155,8 @@ class StateSlots:
                     e4m3_e5m2.e4m3_value_table(),
                     state_formats.BLOCK_SIZE,
                     e4m3_e5m2.e4m3_code_program,
+                    e4m3_e5m2.torch_scale_constants("e4m3", 0),
+                    e4m3_e5m2.e4m3_code_constants(),
                 )
                 if float8
                 else None

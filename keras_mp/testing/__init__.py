@@ -6,7 +6,8 @@ One module per concept: `asserts.py` (comparisons and NumPy conversions),
 (host sync and host copy counters), `launches.py` (the kernel launches
 of a PyTorch step), `saved_tensors.py` (what a step keeps for its
 backward, and what a process holds between steps), `processes.py` (child
-processes, hidden modules, the machine's description); `fp8_reference.py`
+processes, Triton's interpreter in one, hidden modules, the machine's
+description); `fp8_reference.py`
 is the FP8 tests' oracle and `pytest_plugin.py` the suite's plugin.
 Every helper is imported from here.
 """
@@ -30,6 +31,7 @@ from keras_mp.testing.optimizer_steps import bytes_per_parameter
 from keras_mp.testing.processes import describe_machine
 from keras_mp.testing.processes import run_python
 from keras_mp.testing.processes import run_script
+from keras_mp.testing.processes import run_triton_interpreted
 from keras_mp.testing.processes import script_backend
 from keras_mp.testing.processes import without_modules
 from keras_mp.testing.saved_tensors import held_torch_bytes
@@ -55,6 +57,7 @@ __all__ = [
     "gemm_and_gradients",
     "held_torch_bytes",
     "run_python",
+    "run_triton_interpreted",
     "run_script",
     "saved_activation_bytes",
     "script_backend",

@@ -41,6 +41,27 @@ def run_python(code, env=None, timeout=600):
     return _run_child(["-c", textwrap.dedent(code)], env, timeout, None)
 
 
+def run_triton_interpreted(code, timeout=900):
+    """Runs Python code in a fresh PyTorch process under Triton's
+    interpreter (`TRITON_INTERPRET=1`) and returns its stdout: how a test
+    runs keras_mp's CUDA kernels on a CPU. A fresh process, as
+    `TRITON_INTERPRET` is read when Triton is imported, and Triton's LLVM
+    clashes with TensorFlow's in one process. The child imports the
+    keras_mp this one does (its folder first on `PYTHONPATH`).
+
+    Raises:
+        AssertionError: with the child's output, if it exits non-zero.
+    """
+    package = pathlib.Path(__file__).resolve().parents[2]
+    paths = [str(package), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {
+        "TRITON_INTERPRET": "1",
+        "KERAS_BACKEND": "torch",
+        "PYTHONPATH": os.pathsep.join(paths),
+    }
+    return run_python(code, env=env, timeout=timeout)
+
+
 def run_script(path, *args, env=None, timeout=600):
     """Runs a script (a guide, an example, a benchmark) on the active backend.
 

@@ -237,6 +237,17 @@ _NAN_CODE = 0x7F
 _SIGN = 0x80
 
 
+def e4m3_code_constants():
+    """The constants of `e4m3_code_program`, by the names PyTorch's Triton
+    kernel of float8 state takes them (`backend/torch/update_kernels.py`
+    runs the program step for step)."""
+    return {
+        "MIN_NORMAL_EXPONENT": _MIN_NORMAL_EXPONENT,
+        "NAN_CODE": _NAN_CODE,
+        "SIGN": _SIGN,
+    }
+
+
 def e4m3_bits(y, seed=None):
     """uint8 E4M3 codes (bit patterns) of float32 `y` (already divided by
     its scale): what a uint8 variable stores of E4M3 codes (optimizer

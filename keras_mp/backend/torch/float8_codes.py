@@ -25,23 +25,42 @@ class Float8Codes:
         block_size: Elements per scale (`state_formats.BLOCK_SIZE`).
         code_program: `e4m3_e5m2.e4m3_code_program`, the encoder this runs
             in place (on `_InPlaceLanes`).
+        scale_constants: `scale_from_amax`'s E4M3 constants `(exponent,
+            carry, low, high)` (`e4m3_e5m2.torch_scale_constants`), and
+        code_constants: `code_program`'s (`e4m3_e5m2.e4m3_code_constants`),
+            for the Triton kernel of `update_kernels.py`, which runs both
+            step for step.
     """
 
-    def __init__(self, scale_from_amax, values, block_size, code_program):
+    def __init__(
+        self,
+        scale_from_amax,
+        values,
+        block_size,
+        code_program,
+        scale_constants,
+        code_constants,
+    ):
         self.block_size = block_size
         self._scale_from_amax = scale_from_amax
         self._table = values
         self._code_program = code_program
+        self.scale_constants = scale_constants
+        self.code_constants = code_constants
+
+    def table(self, device):
+        """The 256 codes' float32 values, on `device`."""
+        if self._table.device != device:
+            self._table = self._table.to(device)
+        return self._table
 
     def decode(self, codes, scales, out, ints):
         """`dequantize`: the codes' values times their block's scale, into
         float32 `out`, with int32 scratch `ints`."""
         import torch
 
-        if self._table.device != out.device:
-            self._table = self._table.to(out.device)
         ints.copy_(codes)
-        torch.index_select(self._table, 0, ints, out=out)
+        torch.index_select(self.table(out.device), 0, ints, out=out)
         _per_block(out, scales, "mul_", self.block_size)
 
     def encode(self, x, codes, scales, y, ints, index, key=None):

@@ -71,9 +71,10 @@ SOURCE_DTYPES = ("float32", "bfloat16", "float16")
 TRITON_BLOCK = 64
 TRITON_WARPS = 4
 
-# Whether `scales` runs its kernel where `encode` runs Triton's (tests
-# compare the two ways).
-FUSED_SCALES = True
+# Whether the kernels beyond the cast (`scales`, delayed scaling's, the
+# optimizer update's) run where `encode` runs Triton's (tests compare them
+# with torch's operations).
+FUSED_KERNELS = True
 
 _compiled = None
 _kernel = None
@@ -401,20 +402,26 @@ def _fused(magnitudes, outputs, exponent, carry, low, high, nan_as_inf):
     )
 
 
+def kernel_serves(name, tensor):
+    """Whether the Triton kernel `name` runs for `tensor`: where Triton's
+    kernels serve it (`implementation_for`), `FUSED_KERNELS` is on, and
+    that kernel has not failed in this process."""
+    return (
+        FUSED_KERNELS
+        and implementation_for(tensor) == "triton"
+        and name not in _failed
+    )
+
+
 def run_kernel(name, what, tensor, function, *arguments):
     """`function(*arguments)`, the launch of the Triton kernel `name` (of
-    `what`, for the warning), where Triton's kernels serve `tensor`
-    (`implementation_for`, `FUSED_SCALES`) and that kernel has not failed
-    in this process; else None, and the caller's torch operations compute
-    the same values. A kernel that raises (a Triton that cannot build it)
-    warns once and is not launched again; a forced implementation raises.
-    The kernels of scales here and of delayed scaling
-    (`torch/delayed.py`) all run through it."""
-    if (
-        not FUSED_SCALES
-        or implementation_for(tensor) != "triton"
-        or name in _failed
-    ):
+    `what`, for the warning), where it serves `tensor` (`kernel_serves`);
+    else None, and the caller's torch operations compute the same values.
+    A kernel that raises (a Triton that cannot build it) warns once and is
+    not launched again; a forced implementation raises. The kernels of
+    scales here, of delayed scaling (`torch/delayed.py`) and of the
+    optimizer update (`torch/update_kernels.py`) all run through it."""
+    if not kernel_serves(name, tensor):
         return None
     try:
         return function(*arguments)
@@ -423,7 +430,7 @@ def run_kernel(name, what, tensor, function, *arguments):
             raise
         _failed.add(name)
         warnings.warn(
-            f"keras_mp FP8 on PyTorch: the Triton kernel of {what} failed "
+            f"keras_mp on PyTorch: the Triton kernel of {what} failed "
             f"({type(error).__name__}: {error}); torch's operations take "
             "over from now on (the same values, more kernel launches). "
             "Report it with your torch and triton versions.",

@@ -72,7 +72,6 @@ class Layout:
         self.segment_shifts = torch.tensor(
             segment_shifts, dtype=torch.int32, device=device
         )
-        self._increments = {}
         first = 0
         batches = []
         for batch in self.batches:
@@ -83,17 +82,6 @@ class Layout:
     def bind(self, buffers):
         for batch in self.batches:
             batch.bind(buffers)
-
-    def increment(self, draws):
-        import torch
-
-        increment = self._increments.get(draws)
-        if increment is None:
-            increment = torch.tensor(
-                [0, draws], dtype=torch.int32, device=self.device
-            )
-            self._increments[draws] = increment
-        return increment
 
 
 class Batch:

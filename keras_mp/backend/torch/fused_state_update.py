@@ -13,6 +13,7 @@ theirs) on `_BatchLanes`; the batches it runs over are in
 from keras_mp import _keras_internals
 from keras_mp import _random_bits
 from keras_mp.backend.torch import fused_batches
+from keras_mp.backend.torch import update_kernels
 
 # Whether the fused PyTorch update below may run (tests turn it off to
 # compare it with the per-variable path it replaces).
@@ -108,6 +109,7 @@ class FusedStateUpdate:
         self._optimizer = optimizer
         self._rules = rules
         self._storage = storage
+        self._state_name = state_dtype
         self._state_dtype = {
             "bfloat16": torch.bfloat16,
             "float16": torch.float16,
@@ -122,6 +124,9 @@ class FusedStateUpdate:
         # Per device: scratch buffers, and layouts keyed by the sizes.
         self._buffers = {}
         self._layouts = {}
+        # The draw indices of stochastic rounding's keys, and the seed's
+        # increment, by (draws, device): made once, not copied each step.
+        self._draw_tensors = {}
 
     def __call__(self, grads, variables, learning_rate):
         import torch
@@ -196,6 +201,11 @@ class FusedStateUpdate:
         if len(names) != len(slot_lists):
             return False
         constants = rule.constants(optimizer, learning_rate, _BatchLanes.scalar)
+        # Adam on CUDA: one Triton kernel per variable where it serves.
+        if kind == "adam" and self._kernel_update(
+            tensors, flat_grads, slots, constants, names
+        ):
+            return True
         layout = self._layout([tensor.numel() for tensor in tensors], device)
         keys = self._keys(layout, self._storage.stochastic_stores(names))
         flat_tensors = [tensor.view(-1) for tensor in tensors]
@@ -272,10 +282,62 @@ class FusedStateUpdate:
             if on == device:
                 layout.bind(buffers)
 
+    # ---------------------------------------------------- Triton kernel
+    def _kernel_update(self, tensors, grads, slots, constants, names):
+        """Adam's update by `update_kernels.adam`, one Triton kernel per
+        variable: True where it ran (the seed moved on by its draws), else
+        False (nothing written, the seed where it was)."""
+        stochastic = self._storage.stochastic_stores(names)
+        stochastic = stochastic if self._stochastic_rounding else 0
+        # The kernels round every 16-bit slot stochastically, or none, and
+        # float8 state's second moments alone (`float8_state.STORAGE`).
+        expected = 1 if self._float8 is not None else len(names)
+        if stochastic not in (0, expected) or not update_kernels.serves(
+            tensors[0], self._state_name, stochastic
+        ):
+            return False
+        seed = None
+        if stochastic:
+            seed_state = self._seed_generator().state
+            seed = seed_state.value
+        done = update_kernels.adam(
+            [tensor.view(-1) for tensor in tensors],
+            grads,
+            [
+                [
+                    slot.view(-1)
+                    if self._float8 is None
+                    else (slot[0].view(-1), slot[1])
+                    for slot in s
+                ]
+                for s in slots
+            ],
+            constants["alpha"],
+            (
+                constants["one_minus_beta_1"],
+                constants["one_minus_beta_2"],
+                constants["epsilon"],
+            ),
+            seed,
+            self._state_name,
+            self._float8,
+        )
+        if not done:
+            return False
+        if seed is not None:
+            # The state moves on by the draws, as after that many `next`
+            # calls: in place, after the kernels that read it.
+            _, increment = self._draw_tensors_for(
+                len(tensors), stochastic, seed.device
+            )
+            seed.add_(increment)
+        return True
+
     # -------------------------------------------------- stochastic keys
-    def _keys(self, layout, slots_per_variable):
-        """Per slot, the keys of each segment's first element; None without
-        stochastic rounding or slots.
+    def _draw_keys(self, variables, slots_per_variable, device):
+        """This step's keys of stochastic rounding, one row per variable and
+        a column per slot, and the seed state after drawing them (not
+        assigned here).
 
         `stochastic_round_to_bfloat16` draws one seed per slot store
         (`SeedGenerator.next`: the state, then the state plus [0, 1]) and
@@ -285,19 +347,38 @@ class FusedStateUpdate:
         [0, j]: all keys come from one small computation, and the state
         moves on by the number of draws, as after that many `next` calls.
         """
+        draw, increment = self._draw_tensors_for(
+            variables, slots_per_variable, device
+        )
+        state = self._seed_generator().state.value
+        base = state[0] * -1640531527 + state[1]
+        return _random_bits.hash32(base + draw), state + increment
+
+    def _draw_tensors_for(self, variables, slots_per_variable, device):
+        """The draws' indices `[variables, slots_per_variable]` and the
+        seed state's increment `[0, draws]`, int32, made once per device."""
         import torch
 
+        draws = variables * slots_per_variable
+        tensors = self._draw_tensors.get((draws, device))
+        if tensors is None:
+            tensors = self._draw_tensors[(draws, device)] = (
+                torch.arange(draws, dtype=torch.int32, device=device).view(
+                    variables, slots_per_variable
+                ),
+                torch.tensor([0, draws], dtype=torch.int32, device=device),
+            )
+        return tensors
+
+    def _keys(self, layout, slots_per_variable):
+        """Per slot, the keys of each segment's first element (`_draw_keys`,
+        the seed moved on); None without stochastic rounding or slots."""
         if not self._stochastic_rounding or not slots_per_variable:
             return None
-        seed_state = self._seed_generator().state
-        state = seed_state.value
-        draws = layout.variables * slots_per_variable
-        base = state[0] * -1640531527 + state[1]
-        draw = torch.arange(draws, dtype=torch.int32, device=base.device).view(
-            layout.variables, slots_per_variable
+        keys, next_state = self._draw_keys(
+            layout.variables, slots_per_variable, layout.device
         )
-        keys = _random_bits.hash32(base + draw)
-        seed_state.assign(state + layout.increment(draws))
+        self._seed_generator().state.assign(next_state)
         # Each segment's first element is element `start` of its variable
         # and sits at `offset` in the batch's index buffer.
         per_segment = (
