@@ -237,11 +237,13 @@ def _triton_encode(x, scale, fmax, dtype, keeps_inf, layouts, inverse=None):
 
     kernel = _triton_kernel()
     rows, columns = x.shape
-    # A power of two's reciprocal is exact (inf's is 0: x * 0 is x / inf,
-    # 0 or NaN), and a multiply is cheaper than a division.
-    if inverse is None:
-        inverse = torch.reciprocal(scale)
-    inverse = inverse.expand(rows, columns)
+    # The kernel multiplies by `inverse`, or where none is given, by the
+    # reciprocal of `scale` it computes itself (one launch less than
+    # `torch.reciprocal`): a power of two's reciprocal is exact (inf's is
+    # 0: x * 0 is x / inf, 0 or NaN), and a multiply is cheaper than a
+    # division.
+    invert = inverse is None
+    inverse = (scale if invert else inverse).expand(rows, columns)
     outputs = {
         layout: torch.empty_strided(
             (rows, columns),
@@ -267,6 +269,7 @@ def _triton_encode(x, scale, fmax, dtype, keeps_inf, layouts, inverse=None):
         x.stride(1),
         inverse.stride(0),
         inverse.stride(1),
+        INVERT=invert,
         FMAX=fmax,
         E5M2=keeps_inf,
         ROW="row" in outputs,
@@ -296,6 +299,7 @@ def _triton_kernel():
         x_stride_column,
         inverse_stride_row,
         inverse_stride_column,
+        INVERT: tl.constexpr,
         FMAX: tl.constexpr,
         E5M2: tl.constexpr,
         ROW: tl.constexpr,
@@ -317,6 +321,10 @@ def _triton_kernel():
             mask=mask,
             other=1.0,
         )
+        if INVERT:
+            # `inverse` holds the scales: their correctly rounded
+            # reciprocals, as `torch.reciprocal`'s.
+            inverse = tl.div_rn(1.0, inverse)
         y = x * inverse
         clipped = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y))
         infinite = (y == float("inf")) | (y == float("-inf"))
