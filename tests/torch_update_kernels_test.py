@@ -293,3 +293,36 @@ def test_low_precision_state_adds_at_most_2_launches_a_variable_triton():
             plain = counts[f"float32 {n}"]
             assert ours["triton"] == {kernel: n}, counts
             assert ours["launches"] - plain["launches"] <= 2 * n, counts
+
+
+def test_a_variable_past_int32_indices_takes_the_batch_path(monkeypatch):
+    """The kernels index elements in int32: an update with a variable of
+    `_LARGEST` elements or more runs whole on the batch path, no kernel
+    launched for any of its variables."""
+    import keras
+    from keras import ops
+
+    import keras_mp
+    from keras_mp.backend.torch import fp8_operands
+    from keras_mp.backend.torch import update_kernels
+
+    launches = []
+
+    def launched(*arguments):
+        launches.append(arguments)
+        raise RuntimeError("the kernel was launched")
+
+    monkeypatch.setattr(fp8_operands, "_failed", set())
+    monkeypatch.setattr(fp8_operands, "implementation_for", lambda x: "triton")
+    monkeypatch.setattr(update_kernels, "_triton_adam", launched)
+    monkeypatch.setattr(update_kernels, "_LARGEST", 300)
+    optimizer = keras_mp.OptimizerWrapper(
+        keras.optimizers.Adam(0.01), state_dtype="bfloat16"
+    )
+    variables = [
+        keras.Variable(np.ones(size, dtype="float32")) for size in (3, 300)
+    ]
+    grads = [ops.ones((size,)) for size in (3, 300)]
+    optimizer.apply(grads, variables)
+    assert not launches
+    assert float(ops.convert_to_numpy(variables[1])[0]) < 1.0

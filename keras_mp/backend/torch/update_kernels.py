@@ -58,6 +58,9 @@ _WARPS = 4
 _STATES = {"bfloat16": 0, "float16": 1, "float8": None}
 # float8 state: blocks of 128 per program of the kernel.
 _ROWS = 8
+# Variables of this many elements or more take the batch path: the kernels'
+# element indices (and stochastic rounding's counters) are int32.
+_LARGEST = 2**31 - _BLOCK * _ROWS
 
 # The kernel's name for `fp8_operands.run_kernel` (a failed one is not
 # launched again).
@@ -108,6 +111,9 @@ def adam(
     from keras_mp.backend.torch import fp8_operands
 
     if not variables or not serves(variables[0], state_dtype, seed is not None):
+        return None
+    if any(variable.numel() >= _LARGEST for variable in variables):
+        # The kernels index elements in int32.
         return None
     return fp8_operands.run_kernel(
         _NAME,
