@@ -125,7 +125,8 @@ class FusedStateUpdate:
         self._buffers = {}
         self._layouts = {}
         # The draw indices of stochastic rounding's keys, and the seed's
-        # increment, by (draws, device): made once, not copied each step.
+        # increment, by (variables, draws per variable, device): made once,
+        # not copied each step.
         self._draw_tensors = {}
 
     def __call__(self, grads, variables, learning_rate):
@@ -360,9 +361,10 @@ class FusedStateUpdate:
         import torch
 
         draws = variables * slots_per_variable
-        tensors = self._draw_tensors.get((draws, device))
+        key = (variables, slots_per_variable, device)
+        tensors = self._draw_tensors.get(key)
         if tensors is None:
-            tensors = self._draw_tensors[(draws, device)] = (
+            tensors = self._draw_tensors[key] = (
                 torch.arange(draws, dtype=torch.int32, device=device).view(
                     variables, slots_per_variable
                 ),
