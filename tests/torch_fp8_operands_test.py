@@ -98,10 +98,10 @@ def test_failing_delayed_kernels_warn_and_hand_over(monkeypatch, triton_serves):
     carrier[0, delayed.PARITY] = 1.0
     history = torch.zeros((3, 4))
     with pytest.warns(UserWarning, match="kernel of delayed scaling's fold"):
-        folded, folds, scaling = delayed.fold_and_scaling(
+        folded, folds, scaling, written = delayed.fold_and_scaling(
             history, torch.tensor(0, dtype=torch.int32), carrier, recipe
         )
-    assert int(folds) == 1
+    assert int(folds) == 1 and not written
     # Bin 300: biased exponent 150, 2**23.
     assert folded[:, 0].tolist() == [2.0**23] * 3
     amaxes = [torch.tensor([[3.0]])] * 3
@@ -221,6 +221,45 @@ _TRITON_SCRIPT = textwrap.dedent(
                         bits[~nan] != expected.view(np.uint8)[~nan]
                     ).any():
                         failures.append((*where, name))
+    # The cast with its amax (delayed scaling's): the same codes, and the
+    # programs' maxima, whose max is the largest `|x|` with NaN as inf,
+    # bit for bit NumPy's of the values torch holds: one value, edge tiles
+    # and several programs, bfloat16 subnormals (read as bits), -0.
+    tiny = {torch.float32: 2.0**-140, torch.bfloat16: 2.0**-130,
+            torch.float16: 2.0**-20}
+    for shape in ((1, 1), (97, 150), (130, 64)):
+        for source in (torch.float32, torch.bfloat16, torch.float16):
+            for case in ("normal", "subnormal", "nan", "inf", "zeros"):
+                y = rng.normal(size=shape) * (
+                    tiny[source] if case == "subnormal" else 1.0
+                )
+                x = torch.from_numpy(y.astype(np.float32)).to(source)
+                if case == "nan":
+                    x[-1, -1] = np.nan
+                elif case == "inf":
+                    x[0, -1] = -np.inf
+                elif case == "zeros":
+                    x = torch.full(shape, -0.0, dtype=source)
+                scale = torch.tensor(2.0**-3)
+                layouts = ("row", "column")
+                codes, maxima = torch_fp8_operands.encode_with_amax(
+                    x, scale, "e5m2", layouts
+                )
+                alone = torch_fp8_operands.encode(x, scale, "e5m2", layouts)
+                where = (shape, str(source), case)
+                for got, expected in zip(codes, alone):
+                    if got.stride() != expected.stride() or not torch.equal(
+                        got.view(torch.uint8), expected.view(torch.uint8)
+                    ):
+                        failures.append((*where, "codes"))
+                values = x.float().numpy()
+                amax = np.where(np.isnan(values), np.inf, np.abs(values)).max()
+                programs = -(-shape[0] // 64) * -(-shape[1] // 64)
+                got = maxima.max().numpy()
+                if maxima.shape != (programs,) or got.tobytes() != (
+                    np.float32(amax).tobytes()
+                ):
+                    failures.append((*where, "amax", got, amax))
     print(failures)
     sys.exit(1 if failures else 0)
     """
@@ -232,11 +271,13 @@ _TRITON_SCRIPT = textwrap.dedent(
 )
 def test_the_triton_kernel_writes_both_layouts_under_the_interpreter():
     """Indexing, masks, per-row and per-column scales and the special values,
-    from float32 and from bfloat16 read as it is; finite values on the FP8 grid
-    only, since the interpreter's FP8 cast rounds ties away and loses carries
-    (triton 3.9.0): a GPU checks the rounding. In a fresh process:
-    `TRITON_INTERPRET` is read when Triton is imported, and Triton's LLVM
-    clashes with TensorFlow's in one process."""
+    from float32 and from bfloat16 read as it is; with the amax written by the
+    same pass (delayed scaling's casts), bit for bit NumPy's, through
+    subnormals, NaN, inf and -0; finite values on the FP8 grid only, since the
+    interpreter's FP8 cast rounds ties away and loses carries (triton 3.9.0): a
+    GPU checks the rounding. In a fresh process: `TRITON_INTERPRET` is read
+    when Triton is imported, and Triton's LLVM clashes with TensorFlow's in one
+    process."""
     run_triton_interpreted(_TRITON_SCRIPT)
 
 
@@ -447,6 +488,17 @@ _FOLD_SCRIPT = textwrap.dedent(
 
     torch_fp8_operands.FORCED = "triton"
     rng = np.random.default_rng(0)
+
+
+    def same(a, b):
+        # Bit for bit: the dtype, the shape and every value's bits.
+        return a.dtype == b.dtype and a.shape == b.shape and (
+            torch.equal(a.view(torch.int32), b.view(torch.int32))
+            if a.dtype == torch.float32
+            else torch.equal(a, b)
+        )
+
+
     recipes = [
         keras_mp.fp8.Recipe(scaling="delayed"),
         keras_mp.fp8.Recipe(scaling="delayed", amax_algo="most_recent"),
@@ -478,29 +530,39 @@ _FOLD_SCRIPT = textwrap.dedent(
             folds = np.int32((0, 1, 2, 5, 2**30)[trial % 5])
             for recipe in recipes:
                 results = []
-                for fused in (True, False):
+                # Fused into new tensors, fused in place into the layer's
+                # state (the scales it stores: 0 while the count is 0), and
+                # torch's operations.
+                for fused, in_place in ((True, False), (True, True), (False, False)):
                     torch_fp8_operands.FUSED_KERNELS = fused
-                    h, f, scaling = delayed.fold_and_scaling(
-                        torch.from_numpy(history.copy()),
-                        torch.tensor(folds),
-                        torch.from_numpy(carrier.copy()),
-                        recipe,
+                    h = torch.from_numpy(history.copy())
+                    f = torch.tensor(folds)
+                    stored = torch.full((3,), -7.0)
+                    state = (h, f, stored) if in_place else None
+                    h, f, scaling, written = delayed.fold_and_scaling(
+                        h, f, torch.from_numpy(carrier.copy()), recipe,
+                        state=state,
                     )
+                    if written != in_place or (
+                        in_place and (h is not state[0] or f is not state[1])
+                    ):
+                        failures.append((length, trial, "in place"))
+                    gradient_scale = scaling.scales[2:] * scaling.loss_scale
+                    if fused:
+                        gradient_scale = scaling.gradient_scale
+                    if not in_place:
+                        stored = torch.where(scaling.first, 0.0, scaling.scales)
                     results.append(
                         [h, f, scaling.scales, scaling.first, scaling.parity,
-                         scaling.loss_scale]
+                         scaling.loss_scale, gradient_scale, stored]
                     )
                 cases += 1
-                for name, a, b in zip(
+                for name, *got in zip(
                     ("history", "folds", "scales", "first", "parity",
-                     "loss_scale"),
+                     "loss_scale", "gradient_scale", "stored"),
                     *results,
                 ):
-                    if a.dtype != b.dtype or a.shape != b.shape or not (
-                        torch.equal(a.view(torch.int32), b.view(torch.int32))
-                        if a.dtype == torch.float32
-                        else torch.equal(a, b)
-                    ):
+                    if not all(same(got[0], g) for g in got[1:]):
                         failures.append((length, trial, str(recipe), name))
     # The carrier's gradient from the three amaxes (`delayed.dot`'s
     # statistics on PyTorch): zeros, subnormals, the 1.75 mantissa edge,
@@ -544,16 +606,325 @@ _FOLD_SCRIPT = textwrap.dedent(
 )
 
 
+_ROWWISE_SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    import numpy as np
+    import torch
+
+    from keras_mp._fp8.formats.e4m3_e5m2 import quantize_reduced
+    from keras_mp._fp8.formats.e4m3_e5m2 import torch_scale_constants
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
+    from keras_mp.backend import fp8 as backend_fp8
+    from keras_mp.testing import fp8_reference
+
+    # FP8 codes on the CPU, as on a CUDA device.
+    backend_fp8.SCALED_MM_ON_CPU = True
+    torch_fp8_operands.FORCED = "triton"
+    rng = np.random.default_rng(0)
+    failures = []
+    cases = 0
+    tiny = {torch.float32: 2.0**-140, torch.bfloat16: 2.0**-130,
+            torch.float16: 2.0**-20}
+    # One value, edge tiles both ways, several programs both ways.
+    for shape in ((1, 1), (97, 150), (130, 64), (64, 200)):
+        for source in (torch.float32, torch.bfloat16, torch.float16):
+            for fmt, margin in (("e4m3", 0), ("e5m2", 0), ("e4m3", 2)):
+                y = rng.normal(size=shape) * np.exp2(
+                    rng.integers(-30, 30, (shape[0], 1))
+                )
+                if source is torch.float16:
+                    y = y * 2.0**-40
+                y = y.astype(np.float32)
+                # A row and a column of subnormals, a zero row, NaN, inf.
+                y[shape[0] // 2, :] *= tiny[source]
+                if shape[0] > 2 and shape[1] > 2:
+                    y[:, 1] *= tiny[source]
+                    y[-1, :] = 0.0
+                    y[0, 2] = np.nan
+                    y[1, -1] = -np.inf
+                x = torch.from_numpy(y).to(source)
+                constants = torch_scale_constants(fmt, margin)
+                got = torch_fp8_operands.rowwise_operands(x, fmt, *constants)
+                # The same, one GEMM operand at a time (the reductions, the
+                # scales and each layout's cast apart).
+                torch_fp8_operands.FUSED_KERNELS = False
+                (row,), row_scales = quantize_reduced(
+                    x, fmt, 1, margin, None, ("row",)
+                )
+                (column,), column_scales = quantize_reduced(
+                    x, fmt, 0, margin, None, ("column",)
+                )
+                torch_fp8_operands.FUSED_KERNELS = True
+                values = x.float().numpy()
+                magnitude = np.where(np.isnan(values), np.inf, np.abs(values))
+                expected = (row, row_scales, column, column_scales)
+                oracle = (
+                    None,
+                    fp8_reference.scale(magnitude.max(1, keepdims=True), fmt, margin),
+                    None,
+                    fp8_reference.scale(magnitude.max(0, keepdims=True), fmt, margin),
+                )
+                where = (shape, str(source), fmt, margin)
+                cases += 1
+                for name, a, b, c in zip(
+                    ("row", "row_scales", "column", "column_scales"),
+                    got,
+                    expected,
+                    oracle,
+                ):
+                    if a.dtype != b.dtype or a.shape != b.shape or (
+                        a.stride() != b.stride()
+                    ):
+                        failures.append((*where, name, "layout"))
+                    elif a.dtype == torch.float32:
+                        if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
+                            failures.append((*where, name))
+                        if a.numpy().tobytes() != c.tobytes():
+                            failures.append((*where, name, "oracle"))
+                    elif not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+                        failures.append((*where, name))
+    print(cases, failures)
+    sys.exit(1 if failures or cases != 36 else 0)
+    """
+)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton"
+)
+def test_the_rowwise_operands_in_two_launches_under_the_interpreter_triton():
+    """A tensor's two rowwise operands in two Triton launches (the rows'
+    and columns' maxima, then the scales and both layouts' codes): the
+    scales bit for bit NumPy's power-of-two scales of each row's and
+    column's amax (NaN as inf), and the scales and codes bit for bit those
+    of one operand at a time (a reduction, the scales' kernel and a cast
+    per layout), in the same layouts, from float32, bfloat16 and float16,
+    both formats and a margin, through subnormal rows and columns, a
+    zero row, NaN and inf, edge tiles and several programs each way."""
+    run_triton_interpreted(_ROWWISE_SCRIPT)
+
+
+_DELAYED_TRAINING_SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    import keras
+    import numpy as np
+
+    import keras_mp
+    from keras_mp.backend import fp8 as backend_fp8
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
+    from keras_mp.backend.torch import ops as backend_torch_ops
+    from keras_mp.testing import count_torch_launches
+    from keras_mp.testing import to_numpy
+
+    # A CUDA device's path: FP8 codes, `_scaled_mm`, Triton's kernels.
+    backend_fp8.SCALED_MM_ON_CPU = True
+    torch_fp8_operands.FORCED = "triton"
+    recipes = [
+        keras_mp.fp8.Recipe(scaling="delayed", amax_history=4),
+        keras_mp.fp8.Recipe(
+            scaling="delayed", amax_history=3, amax_algo="most_recent"
+        ),
+        keras_mp.fp8.Recipe(
+            scaling="delayed", amax_history=5, margin=1, formats="e4m3"
+        ),
+    ]
+
+
+    def loss(y_true, y_pred):
+        return keras.ops.sum(y_true * keras.ops.cast(y_pred, "float32"), -1)
+
+
+    def run(fused, bit_ops):
+        torch_fp8_operands.FUSED_KERNELS = fused
+        backend_torch_ops.BIT_OPS = bit_ops
+        keras.utils.set_random_seed(7)
+        inputs = keras.Input((32,))
+        twice = keras.layers.Dense(
+            32,
+            use_bias=False,
+            dtype=keras_mp.Policy("mixed_bfloat16", fp8=recipes[0]),
+            name="twice",
+        )
+        hidden = twice(twice(inputs))
+        outputs = [
+            keras.layers.Dense(
+                16,
+                dtype=keras_mp.Policy("mixed_bfloat16", fp8=recipe),
+                name=f"d{i}",
+            )(hidden)
+            for i, recipe in enumerate(recipes[1:])
+        ]
+        model = keras.Model(inputs, keras.layers.Concatenate()(outputs))
+        model.compile(
+            keras_mp.LossScaleOptimizer(
+                keras.optimizers.Adam(1e-3),
+                keras_mp.DynamicLossScale(
+                    initial_loss_scale=2.0**10, increment_period=2
+                ),
+            ),
+            loss=loss,
+        )
+        rng = np.random.default_rng(8)
+        initial = model.get_weights()
+        triton = {}
+        for step in range(8):
+            x = rng.normal(size=(16, 32)) * 2.0 ** rng.integers(-6, 7)
+            c = rng.normal(size=(16, 2, 16)) * 2.0 ** rng.integers(
+                -8, 8, (1, 2, 1)
+            )
+            c = c.reshape(16, 32)
+            if step == 3:
+                c[0, 0] = np.inf  # a skipped step
+            if step == 5:
+                # The state back to its start: current scales again.
+                model.set_weights(initial)
+            with count_torch_launches() as count:
+                model.train_on_batch(x.astype("float32"), c.astype("float32"))
+            triton = dict(count.triton)
+        assert int(to_numpy(model.optimizer.skipped_steps)) == 1
+        return {v.path: to_numpy(v) for v in model.variables}, triton
+
+
+    fast, triton = run(True, True)
+    # The last step's casts wrote their amaxes (no scales' kernel), in
+    # four calls (one layer called twice).
+    assert triton == {"fold": 4, "quantize": 12, "carrier_gradient": 4}, triton
+    failures = []
+    for fused, bit_ops in ((False, True), (False, False)):
+        other, _ = run(fused, bit_ops)
+        assert fast.keys() == other.keys()
+        for path, value in fast.items():
+            a = np.atleast_1d(value).view(np.uint8)
+            if not np.array_equal(a, np.atleast_1d(other[path]).view(np.uint8)):
+                failures.append((fused, bit_ops, path))
+    print(len(fast), failures)
+    sys.exit(1 if failures else 0)
+    """
+)
+
+
+_ROWWISE_TRAINING_SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    import keras
+    import numpy as np
+
+    import keras_mp
+    from keras_mp.backend import fp8 as backend_fp8
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
+    from keras_mp.testing import count_torch_launches
+    from keras_mp.testing import to_numpy
+
+    backend_fp8.SCALED_MM_ON_CPU = True
+    torch_fp8_operands.FORCED = "triton"
+    rowwise = dict(granularity="rowwise")
+    recipes = [
+        keras_mp.fp8.Recipe(**rowwise),
+        keras_mp.fp8.Recipe(**rowwise, save_activations="fp8"),
+        keras_mp.fp8.Recipe(**rowwise, high_precision="forward"),
+        keras_mp.fp8.Recipe(**rowwise, high_precision="backward"),
+        keras_mp.fp8.Recipe(**rowwise, formats="e4m3", margin=1),
+        keras_mp.fp8.Recipe(**rowwise, stats=True),
+    ]
+
+
+    def run(fused):
+        torch_fp8_operands.FUSED_KERNELS = fused
+        keras.utils.set_random_seed(7)
+        inputs = keras.Input((32,))
+        twice = keras.layers.Dense(
+            32,
+            dtype=keras_mp.Policy("mixed_bfloat16", fp8=recipes[0]),
+            name="twice",
+        )
+        hidden = twice(twice(inputs))
+        outputs = [
+            keras.layers.Dense(
+                16,
+                dtype=keras_mp.Policy("mixed_bfloat16", fp8=recipe),
+                name=f"d{i}",
+            )(hidden)
+            for i, recipe in enumerate(recipes[1:])
+        ]
+        model = keras.Model(inputs, keras.layers.Concatenate()(outputs))
+        model.compile(keras.optimizers.Adam(1e-3), loss="mse")
+        rng = np.random.default_rng(8)
+        for step in range(4):
+            x = rng.normal(size=(16, 32)) * 2.0 ** rng.integers(-6, 7)
+            y = rng.normal(size=(16, 80))
+            with count_torch_launches() as count:
+                model.train_on_batch(x.astype("float32"), y.astype("float32"))
+        return {v.path: to_numpy(v) for v in model.variables}, dict(count.triton)
+
+
+    fast, triton = run(True)
+    # Two launches a tensor: the two calls' inputs and output gradients,
+    # and the kernel once, of the plain layer; the others as their recipes
+    # ask (none in a high-precision role, the input's again from the
+    # saved codes' values).
+    assert triton.get("quantize") and "scales" in triton, triton
+    other, _ = run(False)
+    failures = [
+        path
+        for path, value in fast.items()
+        if not np.array_equal(
+            np.atleast_1d(value).view(np.uint8),
+            np.atleast_1d(other[path]).view(np.uint8),
+        )
+    ]
+    print(len(fast), triton, failures)
+    sys.exit(1 if failures or fast.keys() != other.keys() else 0)
+    """
+)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton"
+)
+def test_rowwise_training_on_the_triton_kernels_gives_the_same_bits():
+    """Rowwise FP8 trained on a CUDA device's path under the Triton
+    interpreter, each tensor's two operands from one pass after its
+    maxima (the input's second kept for the kernel gradient, the kernel's
+    made once a step): every weight and optimizer variable after four
+    steps is bit for bit that of one operand at a time, through a layer
+    called twice, `save_activations="fp8"`, a high-precision forward or
+    backward, one format and a margin, and statistics (their carrier's
+    counts too)."""
+    run_triton_interpreted(_ROWWISE_TRAINING_SCRIPT)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton"
+)
+def test_delayed_training_on_the_triton_kernels_gives_the_bits_of_keras_ops():
+    """Delayed scaling trained on a CUDA device's path under the Triton
+    interpreter, where each cast writes its amax (no reduction of its
+    own), the fold writes the layer's state in place and the carrier's
+    gradient reduces the casts' maxima: every weight, history, count,
+    scale, carrier and optimizer variable after eight steps is bit for bit
+    that of torch's operations and that of `keras.ops`, through a layer
+    called twice, both amax algorithms, a margin, a skipped step and the
+    state set back to its start (the casts' amaxes alone, through
+    subnormals, NaN and inf: the layouts' test above)."""
+    run_triton_interpreted(_DELAYED_TRAINING_SCRIPT)
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="needs triton"
 )
 def test_the_triton_fold_gives_the_eager_fold_and_scales_under_the_interpreter():
     """Delayed scaling's fold of a carrier into the amax history and the
-    history's scales in one Triton kernel: the new history, the fold count,
-    the scales, the parity and the loss scale bit for bit torch's eager
-    operations', over histories of 1 to 1024 amaxes, carriers with no bin,
-    finite bins or non-finite ones, both parity marks, loss scales of 0,
-    -1 and above, and the three recipes' formats, margins and amax
-    algorithms; and the carrier's gradient from a call's three amaxes, in
-    one kernel too, bit for bit, across the float32 range."""
+    history's scales in one Triton kernel: the new history, the fold count, the
+    scales, the parity, the loss scale and the output gradient's scale times it
+    bit for bit torch's eager operations', into new tensors or into the layer's
+    state in place (with the scales it stores), over histories of 1 to 1024
+    amaxes, carriers with no bin, finite bins or non-finite ones, both parity
+    marks, loss scales of 0, -1 and above, and the three recipes' formats,
+    margins and amax algorithms; and the carrier's gradient from a call's three
+    amaxes, in one kernel too, bit for bit, across the float32 range."""
     run_triton_interpreted(_FOLD_SCRIPT)

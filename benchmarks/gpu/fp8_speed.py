@@ -17,7 +17,11 @@ script cannot rot between GPU runs. Sections:
   the eager copies' codes for every bfloat16 bit pattern.
 - (c) `dot`: `keras_mp.fp8.dot` forward + backward against a bfloat16
   matmul's, at (M, K, N) = (8192, 4096, 16384); on torch a
-  `torch.profiler` summary of one call of each (`PROFILES`).
+  `torch.profiler` summary of one call of each (`PROFILES`), whether a
+  rowwise GEMM gives the same bits with its scales in `_scaled_mm`
+  (`rowwise_in_gemm_bits_agree`), and whether delayed and rowwise
+  training give the same bits with the fused FP8 kernels as with torch's
+  operations between the casts (`fused_kernel_bits_agree`).
 - (d) `decoder`: a pre-LN GPT decoder training step (d=4096, 4 layers,
   32 heads, sequence 2048, batch 8: 16k tokens; vocabulary 8192; inputs
   on the device) under mixed_bfloat16, and FP8 current tensorwise,
@@ -675,6 +679,51 @@ def rowwise_bits_agree(m, k, n):
     return agree
 
 
+def fused_kernel_bits_agree():
+    """PyTorch: per recipe (delayed, rowwise), whether four training steps
+    of a small model of FP8 layers give the same bits, every variable,
+    with keras_mp's fused FP8 kernels (delayed casts that write their
+    amaxes, the fold in place, rowwise operands in two launches) as with
+    torch's operations between the casts (`fp8_operands.FUSED_KERNELS`);
+    None without CUDA (the kernels run on CUDA alone)."""
+    import keras
+    import numpy as np
+    import torch
+
+    import keras_mp
+    from keras_mp.backend.torch import fp8_operands
+
+    if not torch.cuda.is_available():
+        return None
+    recipes = {
+        "delayed": keras_mp.fp8.Recipe(scaling="delayed"),
+        "rowwise": keras_mp.fp8.Recipe(granularity="rowwise"),
+    }
+    agree = {}
+    for name, recipe in recipes.items():
+        results = []
+        for fused in (True, False):
+            fp8_operands.FUSED_KERNELS = fused
+            keras.utils.set_random_seed(0)
+            with keras_mp.policy_scope("mixed_bfloat16", fp8=recipe):
+                model = keras.Sequential(
+                    [keras.Input((512,))]
+                    + [keras.layers.Dense(512) for _ in range(3)]
+                    + [keras.layers.Dense(16)]
+                )
+            model.compile(keras.optimizers.Adam(1e-3), loss="mse")
+            rng = np.random.default_rng(0)
+            for _ in range(4):
+                x = rng.normal(size=(256, 512)).astype("float32")
+                model.train_on_batch(x, np.zeros((256, 16), "float32"))
+            results.append([v.value.detach().clone() for v in model.variables])
+        fp8_operands.FUSED_KERNELS = True
+        agree[name] = all(
+            torch.equal(a, b) for a, b in zip(*results, strict=True)
+        )
+    return agree
+
+
 def section_dot(clock, smoke):
     m, k, n = SIZES["dot"][smoke]
     functions = _dot_functions(m, k, n)
@@ -690,6 +739,7 @@ def section_dot(clock, smoke):
         ratios,
         dropped_note(dropped),
         rowwise_in_gemm_bits_agree=rowwise_bits_agree(m, k, n),
+        fused_kernel_bits_agree=fused_kernel_bits_agree(),
     )
 
 

@@ -57,14 +57,18 @@ LOSS_SCALE = PARITY + 2  # 517
 CARRIER_WIDTH = LOSS_SCALE + 1
 CARRIER_SHAPE = (len(stats_module.TENSORS), CARRIER_WIDTH)
 
-Scaling = collections.namedtuple("Scaling", "scales first parity loss_scale")
+Scaling = collections.namedtuple(
+    "Scaling", "scales first parity loss_scale gradient_scale", defaults=(None,)
+)
 Scaling.__doc__ = """What one call of a delayed layer quantizes with.
 
 `scales`: float32 `(3,)`, the delayed scales of the input, the kernel and
 the (loss-scale-free) output gradient; `first`: a bool scalar, true while
 the layer has no history (every scale is then current); `parity`: the
 float32 `(2,)` one-hot the carrier's gradient carries (`PARITY`);
-`loss_scale`: the float32 scalar the output gradient arrives multiplied by.
+`loss_scale`: the float32 scalar the output gradient arrives multiplied by;
+`gradient_scale`: None, or (PyTorch's fused fold) the float32 `(1,)`
+output gradient's delayed scale times `loss_scale`, made with the others.
 """
 
 
@@ -170,11 +174,15 @@ def scaling(history, folds, carrier, recipe):
     )
 
 
-def fold_and_scaling(history, folds, carrier, recipe, first=None):
+def fold_and_scaling(history, folds, carrier, recipe, first=None, state=None):
     """PyTorch's `fold`, then the call's `scaling`, sharing their reads of
-    the carrier (`torch_ops.has_bit_ops`): `(history, folds, Scaling)`.
-    `first`, where the caller knows it (a Python bool), is the Scaling's
-    as it is."""
+    the carrier (`torch_ops.has_bit_ops`): `(history, folds, Scaling,
+    written)`. `first`, where the caller knows it (a Python bool), is the
+    Scaling's as it is. `state`, where given, is the layer's `(history,
+    folds, stored_scales)` tensors, `history` and `folds` being the first
+    two: where the fold is one Triton kernel it writes them in place
+    (`torch_delayed.fused_fold_and_scaling`), and `written` is True; else
+    the caller writes the results."""
     formats = (recipe.forward_format,) * 2 + (recipe.backward_format,)
     fused = torch_delayed.fused_fold_and_scaling(
         history,
@@ -183,10 +191,12 @@ def fold_and_scaling(history, folds, carrier, recipe, first=None):
         _FOLD_COLUMNS,
         [torch_scale_constants(f, recipe.margin) for f in formats],
         recipe.amax_algo == "most_recent",
+        state,
     )
+    gradient_scale = None
     if fused is not None:
         # One Triton kernel on CUDA: the fold and the history's scales.
-        history, folds, scales, parity, loss_scale = fused
+        history, folds, scales, parity, loss_scale, gradient_scale = fused
     else:
         history, folds, parity, loss_scale = _torch_fold(
             history, folds, carrier
@@ -197,15 +207,18 @@ def fold_and_scaling(history, folds, carrier, recipe, first=None):
         first=folds == 0 if first is None else first,
         parity=parity,
         loss_scale=loss_scale,
+        gradient_scale=gradient_scale,
     )
-    return history, folds, result
+    return history, folds, result, fused is not None and state is not None
 
 
 def pack(scaling):
     """`scaling` as one float32 vector (7,), an input a custom gradient
     can take (JAX's must not close over values of the step)."""
     if torch_ops.has_bit_ops(scaling.scales):
-        return torch_delayed.pack(*scaling)
+        return torch_delayed.pack(
+            scaling.scales, scaling.first, scaling.parity, scaling.loss_scale
+        )
     return ops.concatenate(
         [
             scaling.scales,
@@ -280,6 +293,7 @@ def select(scaling, indices, currents):
             scaling.scales,
             scaling.loss_scale,
             tuple(indices),
+            scaling.gradient_scale,
         )
     delayed = ops.stack(_delayed_scales(scaling, indices))
     if scaling.first is False:

@@ -154,7 +154,7 @@ def dot(x, kernel, recipe=None, output_dtype=None, stats=None, delayed=None):
         kernel = torch_ops.cast(kernel, "float32")
         call = quantizers.Call(recipe, rows, dtypes, scaling, source_x)
         out = quantizer.forward(call, x2, kernel)
-        call.end_forward(keep_input=quantizer.backward_reads_input)
+        call.end_forward(keep_input=quantizer.keeps_input(call))
         out = torch_ops.reshape(out, (*x_shape[:-1], n))
 
         def backward(args, upstream):

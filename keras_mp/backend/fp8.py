@@ -515,6 +515,34 @@ def torch_gemm_operands(x, scale, fmt, layouts, inverse=None):
     return torch_fp8_operands.encode(x, scale, fmt, layouts, inverse)
 
 
+def torch_gemm_operands_and_amax(x, scale, fmt, layouts):
+    """`(torch_gemm_operands(x, scale, fmt, layouts), amax)`, the amax of
+    `x` read by the same pass as a float32 vector whose max is `amax(x,
+    None)` (`torch/fp8_operands.encode_with_amax`), where `x`'s operands
+    are FP8 codes Triton's kernel writes; else None."""
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
+
+    if not has_layouts(x):
+        return None
+    return torch_fp8_operands.encode_with_amax(x, scale, fmt, layouts)
+
+
+def torch_rowwise_operands(x, fmt, exponent, carry, low, high):
+    """`(row_codes, row_scales, column_codes, column_scales)` of 2-D `x`:
+    its codes scaled per row, row-major, with their `(rows, 1)` scales,
+    and scaled per column, column-major, with their `(1, columns)` ones,
+    in two launches where the operands are Triton's
+    (`torch/fp8_operands.rowwise_operands`); else None. `exponent`,
+    `carry`, `low` and `high` are `torch/ops.scale_from_amax`'s."""
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
+
+    if not has_layouts(x):
+        return None
+    return torch_fp8_operands.rowwise_operands(
+        x, fmt, exponent, carry, low, high
+    )
+
+
 def torch_operand_scales(x, axes, exponent, carry, low, high):
     """`(scale, inverse)` of 2-D `x`'s largest magnitudes over `axes`, for
     its GEMM operands (`has_layouts`): `scale_from_amax(amax(x, axes))`

@@ -249,9 +249,10 @@ def _torch_delayed_scaling(recipe, carrier, state):
     """`delayed_scaling` on PyTorch's eager step, bit for bit, `carrier`
     being the carrier variable's own tensor (`stats_input`): the state
     read and written in place (Keras's `assign` and `copy` convert each
-    tensor again), and the call's `Scaling.first` a Python False once the
-    layer has folded a carrier, so that no call computes current scales
-    only to select them away (about twenty ops a call; `tensorwise.py`).
+    tensor again; on CUDA the fold's Triton kernel writes it), and the
+    call's `Scaling.first` a Python False once the layer has folded a
+    carrier, so that no call computes current scales only to select them
+    away (about twenty ops a call; `tensorwise.py`).
 
     The host learns that the count is above 0 by reading it (`bool`), at
     most once per carrier the optimizer assigns, until it is: the first
@@ -263,25 +264,30 @@ def _torch_delayed_scaling(recipe, carrier, state):
 
     history = state["fp8_amax_history"].value
     steps = state["fp8_steps"].value
+    stored_scales = state["fp8_scale"].value
     known = getattr(state["fp8_steps"], _HOST_FOLDS, None)
     unchanged = _still(known, _versions(carrier, steps))
-    history, folds, scaling = delayed_module.fold_and_scaling(
+    history, folds, scaling, written = delayed_module.fold_and_scaling(
         history,
         steps,
         carrier,
         recipe,
         first=False if unchanged and known[0] else None,
+        state=(history, steps, stored_scales),
     )
     folded = known[0] if unchanged else bool(folds > 0)
     scales = scaling.scales
     if folded:
         scaling = scaling._replace(first=False)
-    else:
+    elif not written:
         scales = torch.where(scaling.first, 0.0, scales)
-    with torch.no_grad():
-        state["fp8_amax_history"].value.copy_(history)
-        steps.copy_(folds)
-        state["fp8_scale"].value.copy_(scales)
+    if not written:
+        # torch's operations made new tensors (the Triton kernel wrote the
+        # state in place).
+        with torch.no_grad():
+            state["fp8_amax_history"].value.copy_(history)
+            steps.copy_(folds)
+            stored_scales.copy_(scales)
     setattr(
         state["fp8_steps"], _HOST_FOLDS, (folded, _versions(carrier, steps))
     )

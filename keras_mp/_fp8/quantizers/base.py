@@ -226,6 +226,12 @@ class Quantizer(abc.ABC):
     # `input_scale`); where not, each call scales its input itself.
     frozen_input_scale = False
 
+    def keeps_input(self, call):
+        """Whether `dot` keeps the layer's input after this call's forward
+        for its gradients (`call.input()`): `backward_reads_input`, unless
+        a quantizer's forward made what they read of it already."""
+        return self.backward_reads_input
+
     @abc.abstractmethod
     def quantize(self, x, fmt, axis, margin, scale, block_shape):
         """`(codes, scale)` of float32 `x`, as `keras_mp.fp8.quantize`

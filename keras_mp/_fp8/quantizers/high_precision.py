@@ -30,6 +30,9 @@ class HighPrecision(Quantizer):
         # A high-precision kernel gradient multiplies the input itself.
         return self.role == "backward" or self.inner.backward_reads_input
 
+    def keeps_input(self, call):
+        return self.role == "backward" or self.inner.keeps_input(call)
+
     # A frozen layer runs its forward GEMM only, as `inner` stores it.
     frozen_layout = property(lambda self: self.inner.frozen_layout)
     frozen_input_scale = property(lambda self: self.inner.frozen_input_scale)

@@ -36,16 +36,28 @@ def _delayed_scales(call, tensors, fmt):
     XLA may fuse each amax beside its cast (one read of the tensor). PyTorch
     runs op by op, where a branch would read the flag on the host: once the
     host knows the layer has a history (`first` a Python False,
-    `fp8_layers/state.py`) the casts take the stored scales alone; before,
-    it computes the current scales from the amaxes and selects."""
+    `fp8_layers/state.py`) the casts take the stored scales alone, and
+    where the rows are made from the amaxes (`Rows.from_amaxes`) each amax
+    is left to its cast (`_operand`: None in `call.rows.amaxes` until
+    then); before, it computes the current scales from the amaxes and
+    selects."""
     if call.scaling is None:
         return (None,) * len(tensors)
+    indices = tuple(index for index, _ in tensors)
+    shapes = [(1,) * len(t.shape) for _, t in tensors]
+    if call.scaling.first is False and call.rows.from_amaxes:
+        scales = delayed_module.select(call.scaling, indices, None)
+        for index in indices:
+            call.rows.amaxes[index] = None
+        return tuple(
+            torch_ops.reshape(scales[i], shape)
+            for i, shape in enumerate(shapes)
+        )
     amaxes = []
     for index, t in tensors:
         amax = fp8_backend.amax(t, None)
         call.rows.amaxes[index] = amax
         amaxes.append(amax)
-    indices = tuple(index for index, _ in tensors)
     if fp8_backend.branches_on_host():
         # Every tensor's current scale in one computation, and one select
         # for all of them: each op of an eager step is a kernel launch on
@@ -68,9 +80,24 @@ def _delayed_scales(call, tensors, fmt):
         ]
         scales = delayed_module.pick(call.scaling, indices, currents)
     return tuple(
-        torch_ops.reshape(scale, tuple(amax.shape))
-        for scale, amax in zip(scales, amaxes)
+        torch_ops.reshape(scale, shape) for scale, shape in zip(scales, shapes)
     )
+
+
+def _operand(call, index, t, fmt, scale):
+    """`operand(t, ..., scale, BOTH)` of tensor `index` of the call; where
+    its amax is still to be found (`_delayed_scales`), read by the same
+    pass where PyTorch's Triton kernel writes the codes
+    (`torch_gemm_operands_and_amax`, as Transformer Engine's cast: the
+    reduction and the kernel after it saved), else by its own reduction."""
+    amaxes = None if call.rows is None else call.rows.amaxes
+    if amaxes is not None and index in amaxes and amaxes[index] is None:
+        fused = fp8_backend.torch_gemm_operands_and_amax(t, scale, fmt, BOTH)
+        if fused is not None:
+            codes, amaxes[index] = fused
+            return tuple(codes), scale
+        amaxes[index] = fp8_backend.amax(t, None)
+    return operand(t, fmt, None, call.margin, scale, BOTH)
 
 
 def _current_scale(t, fmt, margin):
@@ -99,11 +126,11 @@ class Tensorwise(Quantizer):
     def forward(self, call, x, w):
         fmt, margin = call.forward_format, call.margin
         sx, sw = _delayed_scales(call, ((0, x), (1, w)), fmt)
-        (cx, cx_column), sx = operand(x, fmt, None, margin, sx, BOTH)
+        (cx, cx_column), sx = _operand(call, 0, x, fmt, sx)
         if call.scaling is None:
             (cw, cw_column), sw = kernel_operand(w, fmt, None, margin, BOTH)
         else:
-            (cw, cw_column), sw = operand(w, fmt, None, margin, sw, BOTH)
+            (cw, cw_column), sw = _operand(call, 1, w, fmt, sw)
         call.observe("input", x, sx, fmt)
         call.observe("kernel", w, sw, fmt)
         call.saved.update(cx_column=cx_column, cw=cw, sx=sx, sw=sw)
@@ -120,7 +147,7 @@ class Tensorwise(Quantizer):
         def compute():
             fmt = call.backward_format
             (sg,) = _delayed_scales(call, ((2, g),), fmt)
-            (cg, cg_column), sg = operand(g, fmt, None, call.margin, sg, BOTH)
+            (cg, cg_column), sg = _operand(call, 2, g, fmt, sg)
             call.observe("output_gradient", g, sg, fmt)
             return cg, cg_column, sg
 

@@ -151,18 +151,21 @@ def carrier_gradient(statistics, parity):
     return torch.cat([statistics, extra], 1)
 
 
-def select(first, currents, scales, loss_scale, indices):
+def select(first, currents, scales, loss_scale, indices, gradient_scale=None):
     """`keras_mp._fp8.delayed.select`: the float32 current scales
     `currents` of tensors `indices` where `first`, else their delayed
     `scales`, the output gradient's (2) times `loss_scale`; sliced where
     `indices` are a forward's (0, 1) or a backward's (2,); the delayed
-    ones alone where `first` is a Python False."""
+    ones alone where `first` is a Python False. `gradient_scale`, where
+    given, is that product made already (`fused_fold_and_scaling`)."""
     import torch
 
     if indices == (0, 1):
         delayed = scales[:2]
     elif indices == (2,):
-        delayed = scales[2:] * loss_scale
+        if gradient_scale is None:
+            gradient_scale = scales[2:] * loss_scale
+        delayed = gradient_scale
     else:
         delayed = torch.stack(
             [scales[i] * loss_scale if i == 2 else scales[i] for i in indices]
@@ -200,7 +203,9 @@ def carrier_gradient_of_amaxes(
     )
     if fused is not None:
         return fused
-    stacked = torch.stack([amax.reshape(()) for amax in amaxes])
+    stacked = torch.stack(
+        [a.reshape(()) if a.numel() == 1 else a.amax() for a in amaxes]
+    )
     index = amax_bin(stacked, mantissa_above).to(torch.int64).unsqueeze(1)
     gradient = _gradient_base(tuple(sizes), width, bins, parity.device)
     gradient = gradient.clone().scatter_(1, index, 1.0)
@@ -272,11 +277,14 @@ def _triton_carrier_gradient(
     )
     # The sizes as float32 values, as `_gradient_base`'s tensor holds them.
     s0, s1, s2 = (float(np.float32(size)) for size in sizes)
-    a0, a1, a2 = (amax.reshape(()).contiguous() for amax in amaxes)
+    a0, a1, a2 = (amax.reshape(-1).contiguous() for amax in amaxes)
     _gradient_kernel[(1,)](
         a0,
         a1,
         a2,
+        a0.numel(),
+        a1.numel(),
+        a2.numel(),
         parity.contiguous(),
         gradient,
         s0,
@@ -300,6 +308,9 @@ def _make_gradient_kernel():
         a0_ptr,
         a1_ptr,
         a2_ptr,
+        n0,
+        n1,
+        n2,
         parity_ptr,
         gradient_ptr,
         s0,
@@ -314,10 +325,26 @@ def _make_gradient_kernel():
         rows = tl.arange(0, 4)
         columns = tl.arange(0, WIDTH_BLOCK)
         zero = tl.zeros([4], dtype=tl.float32)
+        # Each amax, the max of its values (one, or a cast's programs':
+        # non-negative, NaN made inf already).
+        m0 = tl.zeros([WIDTH_BLOCK], dtype=tl.float32)
+        for start in range(0, n0, WIDTH_BLOCK):
+            at = start + columns
+            m0 = tl.maximum(m0, tl.load(a0_ptr + at, mask=at < n0, other=0.0))
+        m1 = tl.zeros([WIDTH_BLOCK], dtype=tl.float32)
+        for start in range(0, n1, WIDTH_BLOCK):
+            at = start + columns
+            m1 = tl.maximum(m1, tl.load(a1_ptr + at, mask=at < n1, other=0.0))
+        m2 = tl.zeros([WIDTH_BLOCK], dtype=tl.float32)
+        for start in range(0, n2, WIDTH_BLOCK):
+            at = start + columns
+            m2 = tl.maximum(m2, tl.load(a2_ptr + at, mask=at < n2, other=0.0))
         amax = tl.where(
             rows == 0,
-            zero + tl.load(a0_ptr),
-            tl.where(rows == 1, zero + tl.load(a1_ptr), zero + tl.load(a2_ptr)),
+            zero + tl.max(m0, axis=0),
+            tl.where(
+                rows == 1, zero + tl.max(m1, axis=0), zero + tl.max(m2, axis=0)
+            ),
         )
         size = tl.where(
             rows == 0, zero + s0, tl.where(rows == 1, zero + s1, zero + s2)
@@ -347,21 +374,29 @@ def _make_gradient_kernel():
 
 
 def fused_fold_and_scaling(
-    history, folds, carrier, columns, thresholds, newest
+    history, folds, carrier, columns, thresholds, newest, state=None
 ):
     """`fold_and_scaling`, then the history's scales
     (`keras_mp._fp8.delayed.history_scales`), in one Triton kernel where
     the FP8 operands are Triton's (`fp8_operands.implementation_for`):
-    `(history, folds, scales, parity, loss_scale)`, bit for bit the eager
-    operations' (about twenty launches a layer and step); else None.
+    `(history, folds, scales, parity, loss_scale, gradient_scale)`, bit
+    for bit the eager operations' (about twenty launches a layer and
+    step); else None. `gradient_scale` is the output gradient's scale
+    times the loss scale, `(1,)`: the one `select` gives a backward.
 
     `columns` are `fold_and_scaling`'s `(parity_column, loss_scale_column,
     bins, finite_bins)`; `thresholds` the three tensors'
     `torch/ops.scale_from_amax` constants `(exponent, carry, low, high)`,
     Python ints (the input's and the kernel's alike); `newest` whether a
     scale is the newest amax's (else the history's largest). One program
-    reads the carrier and the whole history and writes new tensors:
-    nothing is read after it is written.
+    reads the carrier and the whole history, then writes.
+
+    `state`, where given, is the layer's `(history, folds, stored_scales)`
+    variable tensors: the kernel writes the new history and count into the
+    first two (`history` and `folds` being them) and the scales into the
+    third, 0 while the count is 0 (`fp8_layers/state.py`), in place: three
+    copies a layer and step fewer. Their version counters move as a
+    `copy_`'s would.
     """
     from keras_mp.backend.torch import fp8_operands
 
@@ -376,21 +411,37 @@ def fused_fold_and_scaling(
         columns,
         thresholds,
         newest,
+        state,
     )
 
 
-def _triton_fold(history, folds, carrier, columns, thresholds, newest):
+def _triton_fold(history, folds, carrier, columns, thresholds, newest, state):
     import torch
     import triton
 
     kernel = _triton_fold_kernel()
     carrier = carrier.detach().contiguous()
-    history = history.contiguous()
     rows, length = history.shape
     device = history.device
-    new_history = torch.empty_like(history)
-    new_folds = torch.empty_like(folds)
-    scales = torch.empty(rows, dtype=torch.float32, device=device)
+    if state is None:
+        history = history.contiguous()
+        new_history = torch.empty_like(history)
+        new_folds = torch.empty_like(folds)
+        # Written, and never read: the scales as a layer stores them.
+        stored = torch.empty(rows, dtype=torch.float32, device=device)
+    else:
+        new_history, new_folds, stored = state
+        if not (
+            new_history is history
+            and new_folds is folds
+            and all(t.is_contiguous() for t in state)
+        ):
+            raise ValueError(
+                "the fold writes the layer's state in place: `history` and "
+                "`folds` must be the state's own contiguous tensors"
+            )
+    # The three scales and the output gradient's times the loss scale.
+    scales = torch.empty(rows + 1, dtype=torch.float32, device=device)
     parity = torch.empty(2, dtype=torch.float32, device=device)
     loss_scale = torch.empty((), dtype=torch.float32, device=device)
     parity_column, loss_scale_column, bins, finite_bins = columns
@@ -404,6 +455,7 @@ def _triton_fold(history, folds, carrier, columns, thresholds, newest):
         new_history,
         new_folds,
         scales,
+        stored,
         parity,
         loss_scale,
         carrier.stride(0),
@@ -422,7 +474,17 @@ def _triton_fold(history, folds, carrier, columns, thresholds, newest):
         LENGTH_BLOCK=triton.next_power_of_2(length),
         MOST_RECENT=newest,
     )
-    return new_history, new_folds, scales, parity, loss_scale
+    if state is not None:
+        for tensor in state:
+            torch.autograd.graph.increment_version(tensor)
+    return (
+        new_history,
+        new_folds,
+        scales[:rows],
+        parity,
+        loss_scale,
+        scales[rows:],
+    )
 
 
 def _triton_fold_kernel():
@@ -440,6 +502,7 @@ def _triton_fold_kernel():
         history_out,
         folds_out,
         scales_out,
+        stored_out,
         parity_out,
         loss_scale_out,
         carrier_stride,
@@ -489,6 +552,11 @@ def _triton_fold_kernel():
         at = history_ptr + rows[:, None] * length + j[None, :]
         old = tl.load(at, mask=inside, other=0.0)
         previous = tl.load(at - 1, mask=inside & (j[None, :] >= 1), other=0.0)
+        loss_scale = tl.load(carrier_ptr + loss_scale_column)
+        # Every read before any write: the outputs may be the inputs (the
+        # layer's state, written in place), and a program's threads run
+        # apart.
+        tl.debug_barrier()
         shifted = tl.where(j[None, :] == 0, value[:, None], previous)
         new = tl.where(write[:, None], shifted, old)
         tl.store(
@@ -498,8 +566,8 @@ def _triton_fold_kernel():
         tl.store(folds_out, folds)
         p = tl.arange(0, 2)
         tl.store(parity_out + p, (p == ((folds % 2) + 2) % 2).to(tl.float32))
-        loss_scale = tl.load(carrier_ptr + loss_scale_column)
-        tl.store(loss_scale_out, tl.where(loss_scale > 0, loss_scale, 1.0))
+        loss_scale = tl.where(loss_scale > 0, loss_scale, 1.0)
+        tl.store(loss_scale_out, loss_scale)
         # `history_scales`: the newest amax, or the largest (NaN where one
         # is, as torch's `amax`).
         if MOST_RECENT:
@@ -520,6 +588,10 @@ def _triton_fold_kernel():
         finite = (amax == amax) & (amax != float("inf"))
         scale = tl.where(finite, scale, amax)
         tl.store(scales_out + rows, scale, mask=row_mask)
+        # The output gradient's times the loss scale (`select`'s product).
+        tl.store(scales_out + 1 + rows, scale * loss_scale, mask=rows == 2)
+        stored = tl.where(folds == 0, 0.0, scale)
+        tl.store(stored_out + rows, stored, mask=row_mask)
 
     _fold_kernel = fold
     return _fold_kernel

@@ -31,7 +31,10 @@ operand's power-of-two scale and its reciprocal from its reduction in one
 kernel launch, `amaxes` its float32 amax (NaN made inf), bit for bit
 `torch/ops.py`'s `scale_from_amax` and `amax`, which a dozen and a half
 eager operations made (each a launch, about 20 us of host time on an
-H200).
+H200). Where the scale is known before the cast (delayed scaling's stored
+scales), `encode_with_amax` is the cast that also writes each program's
+largest `|x|`, as Transformer Engine's cast writes its amax: the amax
+without a reduction and a kernel of its own.
 
 All three give the codes of `keras_mp._fp8.formats.e4m3_e5m2.encode(x / scale)`
 bit for bit: dividing by a power of two, or multiplying by its exact
@@ -100,6 +103,24 @@ def encode(x, scale, fmt, layouts, inverse=None):
     """
     import torch
 
+    fmax, dtype, keeps_inf = _checked(x, fmt, layouts)
+    implementation = implementation_for(x)
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    arguments = (x, scale, fmax, dtype, keeps_inf, layouts)
+    if implementation == "triton":
+        arguments = (*arguments, inverse)
+        written = _falling_back("triton", _triton_encode, arguments, fmt)
+    elif implementation == "compiled":
+        written = _falling_back("compiled", _compiled_encode, arguments, fmt)
+    else:
+        written = encode_layouts(*arguments)
+    return tuple(written)
+
+
+def _checked(x, fmt, layouts):
+    """`encode`'s arguments checked: `(fmax, dtype, keeps_inf)` of `fmt`."""
+    import torch
+
     sources = tuple(getattr(torch, name) for name in SOURCE_DTYPES)
     if x.ndim != 2 or x.dtype not in sources:
         raise ValueError(
@@ -121,18 +142,7 @@ def encode(x, scale, fmt, layouts, inverse=None):
             f"Received: layouts={layouts!r}. Pass e.g. ('row', 'column')."
         )
     dtype_name, fmax, keeps_inf = _FORMATS[fmt]
-    dtype = getattr(torch, dtype_name)
-    implementation = implementation_for(x)
-    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    arguments = (x, scale, fmax, dtype, keeps_inf, layouts)
-    if implementation == "triton":
-        arguments = (*arguments, inverse)
-        written = _falling_back("triton", _triton_encode, arguments, fmt)
-    elif implementation == "compiled":
-        written = _falling_back("compiled", _compiled_encode, arguments, fmt)
-    else:
-        written = encode_layouts(*arguments)
-    return tuple(written)
+    return fmax, getattr(torch, dtype_name), keeps_inf
 
 
 def implementation_for(x):
@@ -231,7 +241,136 @@ def _compiled_encode(x, scale, fmax, dtype, keeps_inf, layouts):
     return _compiled(x, scale, fmax, dtype, keeps_inf, layouts)
 
 
-def _triton_encode(x, scale, fmax, dtype, keeps_inf, layouts, inverse=None):
+def encode_with_amax(x, scale, fmt, layouts):
+    """`encode(x, scale, fmt, layouts)` and the amax of `x` read in the same
+    pass, where Triton's kernel serves `x` (`kernel_serves`); else None.
+
+    Returns:
+        `(codes, amax)`: the codes as `encode` gives them, and a float32
+        vector holding each program's largest `|x|` (NaN made inf), whose
+        max is `torch/ops.amax(x, None)` bit for bit: delayed scaling's
+        statistics, where the scale is known before the cast (Transformer
+        Engine's cast writes its amax so), without the reduction and the
+        kernel after it (two launches an operand).
+    """
+    fmax, dtype, keeps_inf = _checked(x, fmt, layouts)
+    return run_kernel(
+        "triton_quantize_amax",
+        "the FP8 cast with its amax",
+        x,
+        _triton_encode_with_amax,
+        x,
+        scale,
+        fmax,
+        dtype,
+        keeps_inf,
+        layouts,
+    )
+
+
+def rowwise_operands(x, fmt, exponent, carry, low, high):
+    """Rowwise FP8 operands of 2-D `x` in two launches, where Triton's
+    kernel serves `x` (`kernel_serves`); else None.
+
+    Returns:
+        `(row_codes, row_scales, column_codes, column_scales)`: the codes of
+        `x` divided by each row's power-of-two scale, row-major, and those
+        scales, float32 `(rows, 1)`; the codes of `x` divided by each
+        column's scale, column-major, and those scales, `(1, columns)`.
+        Each scale is `torch/ops.scale_from_amax` of the row's or column's
+        `torch/ops.amax` with `exponent`, `carry`, `low` and `high` (Python
+        ints), and the codes `encode`'s with it, bit for bit: a rowwise
+        GEMM's operand and the transposed one of the other GEMM it enters.
+        One pass writes the programs' row and column maxima, a second the
+        scales and both layouts' codes (where the reductions, the scales'
+        kernels and the casts of each layout took six launches, and the
+        column-major reduction a transposed read).
+    """
+    fmax, dtype, keeps_inf = _checked(x, fmt, ("row", "column"))
+    return run_kernel(
+        "triton_rowwise",
+        "rowwise FP8 operands",
+        x,
+        _triton_rowwise,
+        x,
+        fmax,
+        dtype,
+        keeps_inf,
+        (exponent, carry, low, high),
+    )
+
+
+def _triton_rowwise(x, fmax, dtype, keeps_inf, thresholds):
+    import torch
+    import triton
+
+    kernel = _triton_kernel()
+    rows, columns = x.shape
+    device = x.device
+    block = TRITON_BLOCK
+    grid = (triton.cdiv(rows, block), triton.cdiv(columns, block))
+    row_maxima = torch.empty(
+        (grid[1], rows), dtype=torch.float32, device=device
+    )
+    column_maxima = torch.empty(
+        (grid[0], columns), dtype=torch.float32, device=device
+    )
+    row_codes = torch.empty((rows, columns), dtype=dtype, device=device)
+    column_codes = torch.empty_strided(
+        (rows, columns), (1, rows), dtype=dtype, device=device
+    )
+    row_scales = torch.empty((rows, 1), dtype=torch.float32, device=device)
+    column_scales = torch.empty(
+        (1, columns), dtype=torch.float32, device=device
+    )
+    bfloat16 = x.dtype == torch.bfloat16
+    source = x.view(torch.int16) if bfloat16 else x
+    row_bytes = row_codes.view(torch.uint8)
+    column_bytes = column_codes.view(torch.uint8)
+    for rowwise in (False, True):
+        # The maxima, then the scales and the codes.
+        kernel[grid](
+            source,
+            row_scales,
+            row_bytes,
+            column_bytes,
+            row_maxima,
+            column_maxima,
+            row_scales,
+            column_scales,
+            rows,
+            columns,
+            x.stride(0),
+            x.stride(1),
+            0,
+            0,
+            *thresholds,
+            BFLOAT16=bfloat16,
+            AMAX=0 if rowwise else 2,
+            ROWWISE=rowwise,
+            INVERT=False,
+            FMAX=fmax,
+            E5M2=keeps_inf,
+            ROW=rowwise,
+            COLUMN=rowwise,
+            BLOCK=block,
+            num_warps=TRITON_WARPS,
+        )
+    return row_codes, row_scales, column_codes, column_scales
+
+
+def _triton_encode_with_amax(x, scale, fmax, dtype, keeps_inf, layouts):
+    import torch
+
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    return _triton_encode(
+        x, scale, fmax, dtype, keeps_inf, layouts, None, amax=True
+    )
+
+
+def _triton_encode(
+    x, scale, fmax, dtype, keeps_inf, layouts, inverse=None, amax=False
+):
     import torch
     import triton
 
@@ -258,17 +397,35 @@ def _triton_encode(x, scale, fmax, dtype, keeps_inf, layouts, inverse=None):
     column = outputs.get("column", outputs.get("row")).view(torch.uint8)
     block = TRITON_BLOCK
     grid = (triton.cdiv(rows, block), triton.cdiv(columns, block))
+    # Each program's largest `|x|`, where asked (else a stand-in).
+    maxima = torch.empty(
+        grid[0] * grid[1] if amax else 1, dtype=torch.float32, device=x.device
+    )
+    bfloat16 = x.dtype == torch.bfloat16
     kernel[grid](
-        x,
+        # bfloat16 read as its bits and made float32 by a shift (exact;
+        # Triton's interpreter mis-casts bfloat16's subnormals).
+        x.view(torch.int16) if bfloat16 else x,
         inverse,
         row,
         column,
+        maxima,
+        maxima,
+        maxima,
+        maxima,
         rows,
         columns,
         x.stride(0),
         x.stride(1),
         inverse.stride(0),
         inverse.stride(1),
+        0,
+        0,
+        0,
+        0,
+        BFLOAT16=bfloat16,
+        AMAX=1 if amax else 0,
+        ROWWISE=False,
         INVERT=invert,
         FMAX=fmax,
         E5M2=keeps_inf,
@@ -277,7 +434,8 @@ def _triton_encode(x, scale, fmax, dtype, keeps_inf, layouts, inverse=None):
         BLOCK=block,
         num_warps=TRITON_WARPS,
     )
-    return [outputs[layout] for layout in layouts]
+    written = [outputs[layout] for layout in layouts]
+    return (written, maxima) if amax else written
 
 
 def _triton_kernel():
@@ -293,12 +451,23 @@ def _triton_kernel():
         inverse_ptr,
         row_ptr,
         column_ptr,
+        maxima_ptr,
+        column_maxima_ptr,
+        row_scale_ptr,
+        column_scale_ptr,
         rows,
         columns,
         x_stride_row,
         x_stride_column,
         inverse_stride_row,
         inverse_stride_column,
+        exponent,
+        carry,
+        low,
+        high,
+        BFLOAT16: tl.constexpr,
+        AMAX: tl.constexpr,
+        ROWWISE: tl.constexpr,
         INVERT: tl.constexpr,
         FMAX: tl.constexpr,
         E5M2: tl.constexpr,
@@ -306,52 +475,146 @@ def _triton_kernel():
         COLUMN: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        row_program = tl.program_id(0)
+        column_program = tl.program_id(1)
+        r = row_program * BLOCK + tl.arange(0, BLOCK)
+        c = column_program * BLOCK + tl.arange(0, BLOCK)
         mask = (r[:, None] < rows) & (c[None, :] < columns)
         x = tl.load(
             x_ptr + r[:, None] * x_stride_row + c[None, :] * x_stride_column,
             mask=mask,
-            other=0.0,
-        ).to(tl.float32)
-        inverse = tl.load(
-            inverse_ptr
-            + r[:, None] * inverse_stride_row
-            + c[None, :] * inverse_stride_column,
-            mask=mask,
-            other=1.0,
+            other=0,
         )
-        if INVERT:
-            # `inverse` holds the scales: their correctly rounded
-            # reciprocals, as `torch.reciprocal`'s.
-            inverse = tl.div_rn(1.0, inverse)
-        y = x * inverse
-        clipped = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y))
-        infinite = (y == float("inf")) | (y == float("-inf"))
-        # Non-finite codes are written as bits, not cast: the cast is
-        # only asked to round finite values in range.
-        if E5M2:
-            codes = clipped.to(tl.float8e5, fp_downcast_rounding="rtne")
-            codes = codes.to(tl.uint8, bitcast=True)
-            # E5M2's +inf, -inf and NaN.
-            special = tl.where(y > 0, 0x7C, 0xFC)
-            special = tl.where(y != y, 0x7F, special).to(tl.uint8)
-            codes = tl.where(infinite | (y != y), special, codes)
+        if BFLOAT16:
+            x = (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
         else:
-            codes = clipped.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-            codes = codes.to(tl.uint8, bitcast=True)
-            # E4M3 has no inf: inf and NaN are its NaN.
-            codes = tl.where(infinite | (y != y), 0x7F, codes)
-        if ROW:
-            tl.store(
-                row_ptr + r[:, None] * columns + c[None, :], codes, mask=mask
-            )
-        if COLUMN:
-            tl.store(
-                column_ptr + c[:, None] * rows + r[None, :],
-                tl.trans(codes),
-                mask=tl.trans(mask),
-            )
+            x = x.to(tl.float32)
+        if AMAX != 0:
+            # `torch/ops.amax`: the largest `|x|`, a NaN counted as inf.
+            magnitude = tl.where(x != x, float("inf"), tl.abs(x))
+            if AMAX == 1:
+                # The program's, for the whole tensor's.
+                largest = tl.max(tl.max(magnitude, axis=1), axis=0)
+                program = row_program * tl.num_programs(1) + column_program
+                tl.store(maxima_ptr + program, largest)
+            else:
+                # Its rows' and its columns', for each row's and column's.
+                tl.store(
+                    maxima_ptr + column_program * rows + r,
+                    tl.max(magnitude, axis=1),
+                    mask=r < rows,
+                )
+                tl.store(
+                    column_maxima_ptr + row_program * columns + c,
+                    tl.max(magnitude, axis=0),
+                    mask=c < columns,
+                )
+        if ROW or COLUMN:
+            if ROWWISE:
+                # Each row's and column's amax from the programs' maxima
+                # (`AMAX == 2` before), and its scale as
+                # `torch/ops.scale_from_amax` makes it, step for step.
+                row_amax = tl.zeros([BLOCK], dtype=tl.float32)
+                for t in range(0, tl.num_programs(1)):
+                    row_amax = tl.maximum(
+                        row_amax,
+                        tl.load(
+                            maxima_ptr + t * rows + r, mask=r < rows, other=0.0
+                        ),
+                    )
+                column_amax = tl.zeros([BLOCK], dtype=tl.float32)
+                for t in range(0, tl.num_programs(0)):
+                    column_amax = tl.maximum(
+                        column_amax,
+                        tl.load(
+                            column_maxima_ptr + t * columns + c,
+                            mask=c < columns,
+                            other=0.0,
+                        ),
+                    )
+                for side in tl.static_range(2):
+                    if side == 0:
+                        amax = row_amax
+                    else:
+                        amax = column_amax
+                    bits = tl.minimum(
+                        amax.to(tl.int32, bitcast=True), 0x7F800000
+                    )
+                    biased = (bits + carry) >> 23
+                    biased = tl.minimum(
+                        tl.maximum(biased - exponent, low), high
+                    )
+                    scale = (biased << 23).to(tl.float32, bitcast=True)
+                    scale = tl.where(amax == 0.0, 1.0, scale)
+                    finite = (amax == amax) & (amax != float("inf"))
+                    scale = tl.where(finite, scale, amax)
+                    if side == 0:
+                        # The first column of programs writes the rows'.
+                        if column_program == 0:
+                            tl.store(row_scale_ptr + r, scale, mask=r < rows)
+                        row_inverse = tl.div_rn(1.0, scale)[:, None]
+                    else:
+                        if row_program == 0:
+                            tl.store(
+                                column_scale_ptr + c, scale, mask=c < columns
+                            )
+                        column_inverse = tl.div_rn(1.0, scale)[None, :]
+            else:
+                inverse = tl.load(
+                    inverse_ptr
+                    + r[:, None] * inverse_stride_row
+                    + c[None, :] * inverse_stride_column,
+                    mask=mask,
+                    other=1.0,
+                )
+                if INVERT:
+                    # `inverse` holds the scales: their correctly rounded
+                    # reciprocals, as `torch.reciprocal`'s.
+                    inverse = tl.div_rn(1.0, inverse)
+                row_inverse = inverse
+            # Each layout's codes: one set for both, or (rowwise) the
+            # rows' scales for the row-major codes and the columns' for
+            # the column-major ones.
+            for side in tl.static_range(2):
+                if side == 0 or ROWWISE:
+                    if side == 0:
+                        y = x * row_inverse
+                    else:
+                        y = x * column_inverse
+                    clipped = tl.where(
+                        y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y)
+                    )
+                    infinite = (y == float("inf")) | (y == float("-inf"))
+                    # Non-finite codes are written as bits, not cast: the
+                    # cast is only asked to round finite values in range.
+                    if E5M2:
+                        codes = clipped.to(
+                            tl.float8e5, fp_downcast_rounding="rtne"
+                        )
+                        codes = codes.to(tl.uint8, bitcast=True)
+                        # E5M2's +inf, -inf and NaN.
+                        special = tl.where(y > 0, 0x7C, 0xFC)
+                        special = tl.where(y != y, 0x7F, special).to(tl.uint8)
+                        codes = tl.where(infinite | (y != y), special, codes)
+                    else:
+                        codes = clipped.to(
+                            tl.float8e4nv, fp_downcast_rounding="rtne"
+                        )
+                        codes = codes.to(tl.uint8, bitcast=True)
+                        # E4M3 has no inf: inf and NaN are its NaN.
+                        codes = tl.where(infinite | (y != y), 0x7F, codes)
+                if side == 0 and ROW:
+                    tl.store(
+                        row_ptr + r[:, None] * columns + c[None, :],
+                        codes,
+                        mask=mask,
+                    )
+                if side == 1 and COLUMN:
+                    tl.store(
+                        column_ptr + c[:, None] * rows + r[None, :],
+                        tl.trans(codes),
+                        mask=tl.trans(mask),
+                    )
 
     _kernel = quantize
     return _kernel
