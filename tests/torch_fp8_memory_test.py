@@ -79,7 +79,9 @@ def test_requantizing_recipes_keep_the_input(codes_path, granularity):
     y = fp8.dot(h, w, recipe, output_dtype="float32")
     del h
     gc.collect()
-    # Their gradients quantize the input again along another axis.
+    # Their gradients quantize the input again along another axis (where
+    # torch's operations make the operands: on Triton's path rowwise keeps
+    # its input's codes instead, `torch_fp8_operands_test.py`).
     assert alive() is not None
     y.sum().backward()
     assert torch.isfinite(w.grad).all()

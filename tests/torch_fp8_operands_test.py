@@ -706,6 +706,51 @@ def test_the_rowwise_operands_in_two_launches_under_the_interpreter_triton():
     run_triton_interpreted(_ROWWISE_SCRIPT)
 
 
+_ROWWISE_MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import gc
+    import sys
+    import weakref
+
+    import torch
+
+    from keras_mp import fp8
+    from keras_mp.backend import fp8 as backend_fp8
+    from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
+
+    backend_fp8.SCALED_MM_ON_CPU = True
+    torch_fp8_operands.FORCED = "triton"
+    kept = {}
+    for role in (None, "backward"):
+        w = torch.nn.Parameter(torch.randn(128, 96) * 0.1)
+        h = torch.randn(64, 128).requires_grad_(True).to(torch.bfloat16)
+        alive = weakref.ref(h)
+        recipe = fp8.Recipe(granularity="rowwise", high_precision=role)
+        y = fp8.dot(h, w, recipe, output_dtype="float32")
+        del h
+        gc.collect()
+        kept[role] = alive() is not None
+        y.sum().backward()
+        assert torch.isfinite(w.grad).all()
+    print(kept)
+    # Rowwise alone holds its input's column codes, not the input; a
+    # high-precision kernel gradient multiplies the input itself.
+    sys.exit(0 if kept == {None: False, "backward": True} else 1)
+    """
+)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton"
+)
+def test_rowwise_on_the_triton_path_lets_the_bfloat16_input_go_triton():
+    """Where Triton's kernel makes a rowwise GEMM's operands, the forward
+    makes the input's column-scaled codes for the kernel gradient with its
+    own, and the graph lets the bfloat16 input go (half its bytes held
+    instead); with a high-precision backward, the input stays."""
+    run_triton_interpreted(_ROWWISE_MEMORY_SCRIPT)
+
+
 _DELAYED_TRAINING_SCRIPT = textwrap.dedent(
     """
     import sys
