@@ -715,11 +715,22 @@ _ROWWISE_MEMORY_SCRIPT = textwrap.dedent(
     import torch
 
     from keras_mp import fp8
+    from keras_mp._fp8 import quantizers
     from keras_mp.backend import fp8 as backend_fp8
     from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
 
     backend_fp8.SCALED_MM_ON_CPU = True
     torch_fp8_operands.FORCED = "triton"
+    calls = []
+    init = quantizers.Call.__init__
+
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        calls.append(self)
+
+
+    quantizers.Call.__init__ = recording
     kept = {}
     for role in (None, "backward"):
         w = torch.nn.Parameter(torch.randn(128, 96) * 0.1)
@@ -729,13 +740,15 @@ _ROWWISE_MEMORY_SCRIPT = textwrap.dedent(
         y = fp8.dot(h, w, recipe, output_dtype="float32")
         del h
         gc.collect()
-        kept[role] = alive() is not None
+        # The input's column codes, made for a quantized kernel gradient
+        # alone.
+        kept[role] = (alive() is not None, "cx_m" in calls[-1].saved)
         y.sum().backward()
         assert torch.isfinite(w.grad).all()
     print(kept)
     # Rowwise alone holds its input's column codes, not the input; a
     # high-precision kernel gradient multiplies the input itself.
-    sys.exit(0 if kept == {None: False, "backward": True} else 1)
+    sys.exit(0 if kept == {None: (False, True), "backward": (True, False)} else 1)
     """
 )
 
@@ -747,7 +760,8 @@ def test_rowwise_on_the_triton_path_lets_the_bfloat16_input_go_triton():
     """Where Triton's kernel makes a rowwise GEMM's operands, the forward
     makes the input's column-scaled codes for the kernel gradient with its
     own, and the graph lets the bfloat16 input go (half its bytes held
-    instead); with a high-precision backward, the input stays."""
+    instead); with a high-precision backward, the input stays and no
+    column codes are held."""
     run_triton_interpreted(_ROWWISE_MEMORY_SCRIPT)
 
 

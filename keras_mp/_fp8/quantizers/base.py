@@ -68,6 +68,9 @@ class Call:
         scaling: Delayed scaling's state for this call
             (`keras_mp._fp8.delayed.Scaling`), or None.
         saved: What `forward` keeps for the gradients, by name.
+        quantized_kernel_gradient: Whether the kernel gradient's GEMM
+            multiplies FP8 codes (False under a high-precision backward:
+            a forward then makes no operand for it).
         source_x: The layer's input as `[M, K]` in its own dtype (e.g.
             bfloat16), which `dot` keeps for gradients that quantize from
             the high-precision source (`input`): half the bytes of its
@@ -84,6 +87,10 @@ class Call:
         self.saved = {}
         self.source_x = source_x
         self.save_codes = recipe.save_activations == "fp8"
+        # Whether the kernel gradient's GEMM multiplies FP8 codes: False
+        # where it runs in high precision (`high_precision.py`), so that a
+        # forward makes no operand for it.
+        self.quantized_kernel_gradient = True
         # K, kept apart from the input, which may go after the forward.
         self.input_columns = None if source_x is None else source_x.shape[1]
         self._input_codes = None

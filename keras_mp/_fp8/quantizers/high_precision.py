@@ -70,6 +70,7 @@ class HighPrecision(Quantizer):
             call.saved.update(w=w)
             return ops.einsum("mk,kn->mn", x, w)
         call.saved.update(high_precision_w=w)
+        call.quantized_kernel_gradient = False
         return self.inner.forward(call, x, w)
 
     def input_gradient(self, call, g):

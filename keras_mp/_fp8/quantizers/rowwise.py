@@ -65,7 +65,7 @@ class Rowwise(Quantizer):
             (cx,), sx = operand(x, fmt, 1, margin)  # (M, 1)
         else:
             cx, sx, cx_m, sx_m = both
-            if not call.save_codes:
+            if call.quantized_kernel_gradient and not call.save_codes:
                 # The kernel gradient's operand, made with the forward's.
                 call.saved.update(cx_m=cx_m, sx_m=sx_m)
         call.keep_input_codes(lambda: self.dequantize(cx, sx, 1, None))
