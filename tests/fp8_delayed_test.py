@@ -14,6 +14,7 @@ from keras_mp import fp8
 from keras_mp import fp8_layers
 from keras_mp._fp8 import delayed
 from keras_mp._fp8 import stats as fp8_stats
+from keras_mp.testing import branched_fp8_model
 from keras_mp.testing import fp8_reference as reference
 from keras_mp.testing import to_numpy
 
@@ -560,21 +561,9 @@ def _torch_delayed_run(recipes, torch_ops, monkeypatch):
 
     monkeypatch.setattr(backend_torch_ops, "BIT_OPS", torch_ops)
     keras.utils.set_random_seed(7)
-    inputs = keras.Input((FEATURES,))
-    twice = keras.layers.Dense(
-        FEATURES,
-        use_bias=False,
-        dtype=keras_mp.Policy("float16", fp8=recipes[0]),
-        name="twice",
+    model = branched_fp8_model(
+        recipes, "float16", use_bias=False, features=FEATURES, units=UNITS
     )
-    hidden = twice(twice(inputs))
-    outputs = [
-        keras.layers.Dense(
-            UNITS, dtype=keras_mp.Policy("float16", fp8=recipe), name=f"d{i}"
-        )(hidden)
-        for i, recipe in enumerate(recipes[1:])
-    ]
-    model = keras.Model(inputs, keras.layers.Concatenate()(outputs))
     model.compile(
         keras_mp.LossScaleOptimizer(
             keras.optimizers.Adam(1e-3),

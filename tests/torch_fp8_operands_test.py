@@ -776,6 +776,7 @@ _DELAYED_TRAINING_SCRIPT = textwrap.dedent(
     from keras_mp.backend import fp8 as backend_fp8
     from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
     from keras_mp.backend.torch import ops as backend_torch_ops
+    from keras_mp.testing import branched_fp8_model
     from keras_mp.testing import count_torch_launches
     from keras_mp.testing import to_numpy
 
@@ -801,23 +802,7 @@ _DELAYED_TRAINING_SCRIPT = textwrap.dedent(
         torch_fp8_operands.FUSED_KERNELS = fused
         backend_torch_ops.BIT_OPS = bit_ops
         keras.utils.set_random_seed(7)
-        inputs = keras.Input((32,))
-        twice = keras.layers.Dense(
-            32,
-            use_bias=False,
-            dtype=keras_mp.Policy("mixed_bfloat16", fp8=recipes[0]),
-            name="twice",
-        )
-        hidden = twice(twice(inputs))
-        outputs = [
-            keras.layers.Dense(
-                16,
-                dtype=keras_mp.Policy("mixed_bfloat16", fp8=recipe),
-                name=f"d{i}",
-            )(hidden)
-            for i, recipe in enumerate(recipes[1:])
-        ]
-        model = keras.Model(inputs, keras.layers.Concatenate()(outputs))
+        model = branched_fp8_model(recipes, "mixed_bfloat16", use_bias=False)
         model.compile(
             keras_mp.LossScaleOptimizer(
                 keras.optimizers.Adam(1e-3),
@@ -876,6 +861,7 @@ _ROWWISE_TRAINING_SCRIPT = textwrap.dedent(
     import keras_mp
     from keras_mp.backend import fp8 as backend_fp8
     from keras_mp.backend.torch import fp8_operands as torch_fp8_operands
+    from keras_mp.testing import branched_fp8_model
     from keras_mp.testing import count_torch_launches
     from keras_mp.testing import to_numpy
 
@@ -895,22 +881,7 @@ _ROWWISE_TRAINING_SCRIPT = textwrap.dedent(
     def run(fused):
         torch_fp8_operands.FUSED_KERNELS = fused
         keras.utils.set_random_seed(7)
-        inputs = keras.Input((32,))
-        twice = keras.layers.Dense(
-            32,
-            dtype=keras_mp.Policy("mixed_bfloat16", fp8=recipes[0]),
-            name="twice",
-        )
-        hidden = twice(twice(inputs))
-        outputs = [
-            keras.layers.Dense(
-                16,
-                dtype=keras_mp.Policy("mixed_bfloat16", fp8=recipe),
-                name=f"d{i}",
-            )(hidden)
-            for i, recipe in enumerate(recipes[1:])
-        ]
-        model = keras.Model(inputs, keras.layers.Concatenate()(outputs))
+        model = branched_fp8_model(recipes, "mixed_bfloat16")
         model.compile(keras.optimizers.Adam(1e-3), loss="mse")
         rng = np.random.default_rng(8)
         for step in range(4):

@@ -19,6 +19,7 @@ from keras_mp.testing.asserts import tolerance
 from keras_mp.testing.fp8_helpers import assert_fp8_codes_equal
 from keras_mp.testing.fp8_helpers import backend_einsum
 from keras_mp.testing.fp8_helpers import block_spread_operands
+from keras_mp.testing.fp8_helpers import branched_fp8_model
 from keras_mp.testing.fp8_helpers import fp8_code_bits
 from keras_mp.testing.fp8_helpers import fp8_mlp_fit_and_reload
 from keras_mp.testing.fp8_helpers import gemm_and_gradients
@@ -47,6 +48,7 @@ __all__ = [
     "assert_fp8_codes_equal",
     "backend_einsum",
     "block_spread_operands",
+    "branched_fp8_model",
     "bytes_per_parameter",
     "count_host_copies",
     "count_host_syncs",

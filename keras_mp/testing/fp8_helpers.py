@@ -9,6 +9,33 @@ from keras_mp.testing.asserts import to_numpy
 _GEMMS_JITTED = {}
 
 
+def branched_fp8_model(recipes, policy, use_bias=True, features=32, units=16):
+    """A model of FP8 Dense layers: `recipes[0]`'s layer `"twice"` (width
+    `features`) called twice, then one branch `"d0"`, `"d1"`, ... of
+    `units` per other recipe, concatenated (uncompiled). A layer whose
+    gradients sum two calls' beside layers of other recipes, on the
+    same input."""
+    import keras
+
+    import keras_mp
+
+    inputs = keras.Input((features,))
+    twice = keras.layers.Dense(
+        features,
+        use_bias=use_bias,
+        dtype=keras_mp.Policy(policy, fp8=recipes[0]),
+        name="twice",
+    )
+    hidden = twice(twice(inputs))
+    outputs = [
+        keras.layers.Dense(
+            units, dtype=keras_mp.Policy(policy, fp8=recipe), name=f"d{i}"
+        )(hidden)
+        for i, recipe in enumerate(recipes[1:])
+    ]
+    return keras.Model(inputs, keras.layers.Concatenate()(outputs))
+
+
 def gemm_and_gradients(function, x, kernel, g, jit=True):
     """`function(x, kernel)` and its gradients for output gradient `g`
     (on JAX in one `jax.jit`, unless `jit=False`: op by op, JAX compiles
